@@ -1,0 +1,52 @@
+"""Durable, keyed workflows for Celery, with PostgreSQL as the source of truth."""
+
+from .app import Durable, durable_workflow
+from .context import RunContext, current_run
+from .definition import SendEvent, Step, Workflow
+from .errors import (
+    DurableError,
+    InvalidArgument,
+    InvalidDefinition,
+    InvalidKey,
+    InvalidStart,
+    KeyContended,
+    KeyTaken,
+    NoKey,
+    NotConfigured,
+    NotFinished,
+    RunNotFound,
+    RunStopped,
+    StepTimeout,
+    UnknownWorkflow,
+    Unsupported,
+)
+from .models import Run, StepRecord
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Durable",
+    "durable_workflow",
+    "current_run",
+    "RunContext",
+    "SendEvent",
+    "Step",
+    "Workflow",
+    "Run",
+    "StepRecord",
+    "DurableError",
+    "InvalidArgument",
+    "InvalidDefinition",
+    "InvalidKey",
+    "InvalidStart",
+    "KeyContended",
+    "KeyTaken",
+    "NoKey",
+    "NotConfigured",
+    "NotFinished",
+    "RunNotFound",
+    "RunStopped",
+    "StepTimeout",
+    "UnknownWorkflow",
+    "Unsupported",
+]

@@ -1,0 +1,382 @@
+"""``Durable``: binds durable workflows to one Celery app (settings, tasks, upkeep, the API)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from celery import Celery
+
+from . import signals
+from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
+from .engine import Engine
+from .errors import (
+    InvalidArgument,
+    InvalidDefinition,
+    NotConfigured,
+    RunNotFound,
+    UnknownWorkflow,
+)
+from .models import Run, StepRecord
+from .store import migrate as migrations
+from .store import queries
+from .store.db import Database
+from .store.schema import FINISHED, UNFINISHED
+
+log = logging.getLogger("durable_celery")
+
+STATUSES = UNFINISHED + FINISHED
+EMBEDDED_HOME = ".durable"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Tunables of one ``Durable``; each may also be set as ``app.conf.durable_<name>``."""
+
+    database_url: str | None = None
+    pool_size: int = 5
+    heartbeat_interval: float = 10.0
+    stale_lock_timeout: float = 300.0
+    max_losses: int = 3
+    relay_after: float = 120.0
+    poll_interval: float = 1.0
+    sweep_interval: float = 60.0
+    backoff_base: float = 1.0
+    backoff_max: float = 300.0
+    publish_retries: int = 2
+    upkeep: bool = True
+    home: str = EMBEDDED_HOME
+
+    @classmethod
+    def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:
+        """Settings from keyword arguments, then ``app.conf.durable_*``, then the environment."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(given) - names
+        if unknown:
+            raise InvalidDefinition(f"unknown Durable setting(s): {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name in names:
+            conf_value = app.conf.get(f"durable_{name}")
+            if name in given:
+                values[name] = given[name]
+            elif conf_value is not None:
+                values[name] = conf_value
+        url = database_url or values.get("database_url") or os.environ.get("DURABLE_DATABASE_URL")
+        values["database_url"] = url
+        settings = cls(**values)
+        for name in (
+            "heartbeat_interval",
+            "stale_lock_timeout",
+            "relay_after",
+            "poll_interval",
+            "sweep_interval",
+            "backoff_base",
+            "backoff_max",
+        ):
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+        if settings.database_url is None:
+            path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
+            settings = replace(settings, database_url=f"sqlite:///{path}")
+        return settings
+
+
+_live: weakref.WeakSet[Durable] = weakref.WeakSet()
+_shared: list[Workflow] = []
+
+
+class Durable:
+    """Durable, keyed workflows for one Celery app; see the README for a tour."""
+
+    def __init__(self, app: Celery, database_url: str | None = None, **settings: Any) -> None:
+        self.app = app
+        self.settings = Settings.build(app, database_url, settings)
+        self.db = Database(self.settings.database_url or "", pool_size=self.settings.pool_size)
+        self.workflows: dict[str, Workflow] = {}
+        self.engine = Engine(self)
+        if self.settings.stale_lock_timeout < 3 * self.settings.heartbeat_interval:
+            log.warning(
+                "durable: stale_lock_timeout (%ss) is under 3 x heartbeat_interval (%ss): "
+                "a slow heartbeat may hand a live step to another worker",
+                self.settings.stale_lock_timeout,
+                self.settings.heartbeat_interval,
+            )
+        self._use_embedded_broker_if_unset()
+        app._durable = self  # type: ignore[attr-defined]
+        from .upkeep import install
+
+        install(self)
+        _live.add(self)
+        for workflow in _shared:
+            if workflow.name is not None:
+                self._register_workflow(workflow)
+
+    def __repr__(self) -> str:
+        return f"<Durable app={self.app.main!r} db={self.db.engine.url!r}>"
+
+    def _use_embedded_broker_if_unset(self) -> None:
+        # Never let Celery fall back to amqp://localhost quietly: with no broker chosen, use the
+        # serverless filesystem transport next to the SQLite file (one machine, many processes).
+        if self.app.conf.broker_url or os.environ.get("CELERY_BROKER_URL"):
+            return
+        folder = os.path.abspath(os.path.join(self.settings.home, "broker"))
+        os.makedirs(folder, exist_ok=True)
+        self.app.conf.broker_url = "filesystem://"
+        self.app.conf.broker_transport_options = {
+            "data_folder_in": folder,
+            "data_folder_out": folder,
+            "polling_interval": 0.1,
+        }
+
+    # -- definitions ------------------------------------------------------------------------
+
+    def workflow(self, name: str | Callable[..., Any] | None = None, **options: Any) -> Workflow:
+        """Define a workflow; as a decorator on a function it is the first step and the name."""
+        if callable(name):
+            return Workflow(durable=self)(name)
+        workflow = Workflow(name=name, durable=self, **options)
+        if name is not None:
+            self._register_workflow(workflow)
+        return workflow
+
+    def _register_workflow(self, workflow: Workflow) -> None:
+        assert workflow.name is not None
+        existing = self.workflows.get(workflow.name)
+        if existing is not None and existing is not workflow:
+            raise InvalidDefinition(f"a workflow named {workflow.name!r} is already defined")
+        self.workflows[workflow.name] = workflow
+        for step in workflow.steps:
+            self._register_step(workflow, step)
+
+    def _register_step(self, workflow: Workflow, step: Step) -> None:
+        durable = self
+        workflow_name, index = workflow.name, step.index
+
+        def run_step(run_id: str, step: int = index, attempt: int = 1) -> str:
+            return durable.run_message(workflow_name or "", index, run_id)
+
+        run_step.__name__ = step.name
+        run_step.__doc__ = f"Durable step {step.name!r} of workflow {workflow_name!r}."
+        self.app.task(
+            name=step.task_name,
+            shared=False,
+            acks_late=True,
+            ignore_result=True,
+            serializer="json",
+            typing=False,
+        )(run_step)
+
+    def adopt(self, workflow: Workflow) -> None:
+        """Make sure a shared workflow is known here (used by ``Workflow.start``)."""
+        if workflow.name not in self.workflows:
+            self._register_workflow(workflow)
+
+    def run_message(self, workflow_name: str, step_index: int, run_id: str) -> str:
+        """Handle a step message as a worker received it."""
+        workflow = self.workflows[workflow_name]
+        return self.engine.execute(workflow, workflow.steps[step_index], run_id)
+
+    # -- starting and publishing ------------------------------------------------------------
+
+    def _resolve(self, workflow: str | Workflow) -> Workflow:
+        if isinstance(workflow, Workflow):
+            if workflow.name is None:
+                raise UnknownWorkflow("this workflow has no name (decorate a function or pass name=)")
+            known = self.workflows.get(workflow.name)
+            if known is None and workflow.durable is None:
+                self._register_workflow(workflow)
+            elif known is not workflow:
+                raise UnknownWorkflow(f"workflow {workflow.name!r} belongs to another Durable")
+            resolved = workflow
+        elif isinstance(workflow, str) and workflow in self.workflows:
+            resolved = self.workflows[workflow]
+        else:
+            raise UnknownWorkflow(f"no workflow named {workflow!r} is defined")
+        if not resolved.steps:
+            raise UnknownWorkflow(f"workflow {resolved.name!r} has no steps")
+        return resolved
+
+    def start(
+        self,
+        workflow: str | Workflow,
+        input: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        on_duplicate: str | SendEvent | None = None,
+        connection: Any = None,
+    ) -> str:
+        """Start a run and return its id; the first step is published after commit."""
+        wf = self._resolve(workflow)
+        data = check_input(input)
+        run_key = wf.derive_key(data, key)
+        if on_duplicate is not None:
+            check_on_duplicate(on_duplicate)
+        run_id = str(uuid.uuid4())
+        values = {
+            "id": run_id,
+            "workflow": wf.name,
+            "status": "pending",
+            "input": data,
+            "context": {},
+            "key": run_key,
+            "holds_key": False,
+            "created_at": self.db.now(),
+            "due_at": self.db.now(),
+            "published": connection is None,
+        }
+        if connection is None:
+            with self.db.begin() as conn:
+                queries.insert_run_txn(conn, values)
+            self.publish(wf, 0, run_id, 1, run_key)
+        else:
+            from .transactions import insert_in_callers_transaction
+
+            insert_in_callers_transaction(self, connection, values, wf)
+        signals.run_started.send(sender=self, run_id=run_id, workflow=wf.name, key=run_key)
+        return run_id
+
+    def publish(
+        self, workflow: Workflow, step_index: int, run_id: str, attempt: int, key: str | None
+    ) -> bool:
+        """Send the message for one step; on failure flag the run for the relay."""
+        step = workflow.steps[step_index]
+        queue = workflow.queue_for(step, None)
+        options: dict[str, Any] = {"queue": queue} if queue else {}
+        policy = {
+            "max_retries": self.settings.publish_retries,
+            "interval_start": 0.2,
+            "interval_step": 0.5,
+            "interval_max": 1.0,
+        }
+        try:
+            self.app.send_task(
+                step.task_name,
+                kwargs={"run_id": run_id, "step": step_index, "attempt": attempt},
+                serializer="json",
+                argsrepr="()",
+                kwargsrepr=f"{{run_id: {run_id}, key: {key!r}, step: {step.name}, attempt: {attempt}}}",
+                retry=True,
+                retry_policy=policy,
+                **options,
+            )
+            return True
+        except Exception as exc:  # the broker is away: the relay sends it when it is back
+            log.warning("durable: could not publish run %s (%s); the relay will", run_id, exc)
+            with self.db.begin() as conn:
+                queries.mark_unsent(conn, [run_id])
+            return False
+
+    def backoff(self, step: Step, attempt: int) -> float:
+        """Seconds to wait before attempt ``attempt + 1`` of ``step``."""
+        base = step.backoff or self.settings.backoff_base
+        return float(min(base * 2 ** (attempt - 1), self.settings.backoff_max))
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def get_run(self, run_id: str) -> Run:
+        """One run by id; RunNotFound if there is none."""
+        if not isinstance(run_id, str):
+            raise RunNotFound(run_id)
+        with self.db.engine.connect() as conn:
+            row = queries.fetch_run(conn, run_id)
+        if row is None:
+            raise RunNotFound(run_id)
+        return Run.from_row(row)
+
+    def list_runs(
+        self,
+        workflow: str | None = None,
+        key: str | None = None,
+        status: str | None = None,
+        limit: int = 100,
+    ) -> list[Run]:
+        """Runs matching the filters, newest first."""
+        statuses = [status] if isinstance(status, str) else status
+        for value in statuses or ():
+            if value not in STATUSES:
+                raise InvalidArgument(f"unknown status {value!r}; one of {STATUSES}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidArgument(f"limit must be a positive int, not {limit!r}")
+        with self.db.engine.connect() as conn:
+            rows = queries.fetch_runs(conn, workflow=workflow, key=key, status=statuses, limit=limit)
+        return [Run.from_row(r) for r in rows]
+
+    def list_steps(self, run_id: str) -> list[StepRecord]:
+        """Every recorded step attempt of a run, in order; RunNotFound if there is no run."""
+        self.get_run(run_id)
+        with self.db.engine.connect() as conn:
+            return [StepRecord.from_row(r) for r in queries.fetch_steps(conn, run_id)]
+
+    # -- control ----------------------------------------------------------------------------
+
+    def cancel(self, run_id: str) -> bool:
+        """Cancel an unfinished run; False if it had already finished. RunNotFound if none."""
+        if not isinstance(run_id, str):
+            raise RunNotFound(run_id)
+        error = {"type": "Cancelled", "message": "cancelled", "traceback": None}
+        with self.db.begin() as conn:
+            row = queries.cancel_run_txn(self.db, conn, run_id, error, ("pending", "running", "waiting"))
+            if row is None and queries.run_status(conn, run_id) is None:
+                raise RunNotFound(run_id)
+        if row is None:
+            return False
+        signals.run_finished.send(sender=self, run_id=run_id, workflow=row.workflow, status="cancelled")
+        return True
+
+    def count_runs(self) -> dict[tuple[str, str], int]:
+        """How many runs each workflow has in each status."""
+        with self.db.engine.connect() as conn:
+            return queries.count_runs_by_status(conn)
+
+    # -- operations -------------------------------------------------------------------------
+
+    def migrate(self, progress: Callable[[str], None] | None = None) -> list[str]:
+        """Bring the database schema up to date; returns the revisions applied."""
+        return migrations.upgrade(self.db, progress)
+
+    def pending_migrations(self) -> list[str]:
+        """Revisions the database still lacks (empty when up to date)."""
+        return migrations.pending_revisions(self.db)
+
+
+def live_durables() -> list[Durable]:
+    """Every ``Durable`` alive in this process."""
+    return list(_live)
+
+
+def durable_for_current_app() -> Durable:
+    """The ``Durable`` bound to Celery's current app, or NotConfigured."""
+    from celery import current_app
+
+    app = current_app._get_current_object()
+    durable = getattr(app, "_durable", None)
+    if durable is None:
+        raise NotConfigured(
+            f"no Durable is configured for Celery app {app.main!r}: create Durable(app) "
+            "before starting workflows defined with durable_workflow"
+        )
+    return durable
+
+
+def durable_workflow(name: str | Callable[..., Any] | None = None, **options: Any) -> Any:
+    """Define a workflow bound to whichever app's ``Durable`` is current, like ``shared_task``."""
+
+    def define(fn: Callable[..., Any]) -> Workflow:
+        workflow = Workflow(name=name if isinstance(name, str) else None, **options)
+        workflow.shared = True
+        workflow(fn)
+        _shared.append(workflow)
+        for durable in list(_live):
+            durable._register_workflow(workflow)
+        return workflow
+
+    if callable(name):
+        fn, name = name, None
+        return define(fn)
+    return define

@@ -1,0 +1,120 @@
+"""The ``celery -A app durable ...`` command group."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from .app import STATUSES, Durable
+from .errors import DurableError, NotConfigured
+
+
+def durable_of(ctx: click.Context) -> Durable:
+    """The ``Durable`` bound to the app given with ``celery -A``."""
+    app = ctx.obj.app if ctx.obj is not None else None
+    durable = getattr(app, "_durable", None)
+    if durable is None:
+        raise click.ClickException(
+            str(NotConfigured("the app given with -A has no Durable(app); create one in its module"))
+        )
+    return durable
+
+
+@click.group(name="durable")
+@click.pass_context
+def durable(ctx: click.Context) -> None:
+    """Durable workflows: schema, runs and their control."""
+
+
+@durable.command()
+@click.option("--check", is_flag=True, help="Exit 1 if the database is behind; change nothing.")
+@click.pass_context
+def migrate(ctx: click.Context, check: bool) -> None:
+    """Bring the database schema up to date (or check that it is)."""
+    d = durable_of(ctx)
+    if check:
+        pending = d.pending_migrations()
+        if pending:
+            click.echo(f"database is behind: {len(pending)} revision(s) pending: {', '.join(pending)}")
+            sys.exit(1)
+        click.echo("database is up to date")
+        return
+    d.migrate(progress=click.echo)
+
+
+@durable.command()
+@click.option("--workflow", "-w", help="Only runs of this workflow.")
+@click.option("--key", "-k", help="Only runs started with this key.")
+@click.option("--status", "-s", type=click.Choice(STATUSES), help="Only runs in this status.")
+@click.option("--limit", "-n", default=50, show_default=True, help="At most this many runs.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def runs(
+    ctx: click.Context, workflow: str | None, key: str | None, status: str | None, limit: int, as_json: bool
+) -> None:
+    """List runs, newest first."""
+    found = durable_of(ctx).list_runs(workflow=workflow, key=key, status=status, limit=limit)
+    if as_json:
+        for run in found:
+            click.echo(json.dumps(_run_dict(run), default=str))
+        return
+    click.echo(f"{'id':36}  {'workflow':20}  {'status':12}  {'step':>4}  {'key':24}  created")
+    for run in found:
+        click.echo(
+            f"{run.id:36}  {run.workflow[:20]:20}  {run.status:12}  {run.step_index:>4}  "
+            f"{(run.key or '-')[:24]:24}  {run.created_at:%Y-%m-%d %H:%M:%S}"
+        )
+
+
+@durable.command()
+@click.argument("run_id")
+@click.pass_context
+def show(ctx: click.Context, run_id: str) -> None:
+    """Show one run and its recorded steps."""
+    d = durable_of(ctx)
+    run = _or_fail(d.get_run, run_id)
+    click.echo(json.dumps(_run_dict(run), default=str, indent=2))
+    for step in d.list_steps(run_id):
+        outcome = step.error["message"] if step.error else json.dumps(step.output, default=str)
+        click.echo(f"  {step.step_index}. {step.name} attempt {step.attempt}: {step.status} {outcome}")
+
+
+@durable.command()
+@click.argument("run_ids", nargs=-1, required=True)
+@click.pass_context
+def cancel(ctx: click.Context, run_ids: tuple[str, ...]) -> None:
+    """Cancel unfinished runs."""
+    d = durable_of(ctx)
+    for run_id in run_ids:
+        done = _or_fail(d.cancel, run_id)
+        click.echo(f"{run_id}: {'cancelled' if done else 'already finished'}")
+
+
+@durable.command()
+@click.pass_context
+def status(ctx: click.Context) -> None:
+    """Summary: runs per workflow and status, and whether the schema is current."""
+    d = durable_of(ctx)
+    pending = d.pending_migrations()
+    click.echo(f"database: {d.db.engine.url.render_as_string(hide_password=True)}")
+    click.echo(f"schema: {'up to date' if not pending else f'{len(pending)} revision(s) behind'}")
+    if pending:
+        return
+    for (workflow, state), count in sorted(d.count_runs().items()):
+        click.echo(f"{workflow:30}  {state:20}  {count}")
+
+
+def _or_fail(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except DurableError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _run_dict(run: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(run)

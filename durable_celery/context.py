@@ -1,0 +1,50 @@
+"""``current_run()``: what a step sees of the run it belongs to."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import DurableError
+
+if TYPE_CHECKING:
+    from .engine import ActiveStep
+
+_current: ContextVar[RunContext | None] = ContextVar("durable_current_run", default=None)
+
+
+@dataclass
+class RunContext:
+    """The run a step is executing for: ids, input, the shared context dict and the attempt."""
+
+    id: str
+    workflow: str
+    input: dict[str, Any]
+    context: dict[str, Any]
+    attempt: int
+    key: str | None
+    step: str
+    _active: ActiveStep = field(repr=False)
+
+    def heartbeat(self) -> None:
+        """Prove this step is alive; raises RunStopped if the run was cancelled or taken over."""
+        self._active.heartbeat_now()
+
+
+def current_run() -> RunContext:
+    """The run of the step being executed; raises DurableError outside a step."""
+    run = _current.get()
+    if run is None:
+        raise DurableError("current_run() is only available inside a durable step")
+    return run
+
+
+def enter(run: RunContext) -> Any:
+    """Make ``run`` current; returns a token for :func:`leave`."""
+    return _current.set(run)
+
+
+def leave(token: Any) -> None:
+    """Restore what was current before :func:`enter`."""
+    _current.reset(token)

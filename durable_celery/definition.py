@@ -1,0 +1,250 @@
+"""Workflow and Step definitions, and the validation of their options."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidDefinition, InvalidKey, InvalidStart
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+REUSE = ("after_close", "after_failure", "never")
+ON_DUPLICATE = ("use_existing", "error", "cancel_existing", "run_again")
+IDEMPOTENCY = ("optional", "required", "off")
+MAX_KEY_BYTES = 255
+
+
+@dataclass(frozen=True)
+class SendEvent:
+    """``on_duplicate`` policy: deliver a duplicate start's input to the holder as event ``name``."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidDefinition("SendEvent needs a non-empty event name")
+
+
+def check_on_duplicate(value: Any) -> str | SendEvent:
+    """Return ``value`` if it is a valid ``on_duplicate`` policy, else raise."""
+    if isinstance(value, SendEvent) or value in ON_DUPLICATE:
+        return value  # type: ignore[no-any-return]
+    raise InvalidDefinition(f"on_duplicate must be one of {ON_DUPLICATE} or SendEvent(name), not {value!r}")
+
+
+def check_key(key: Any) -> str | None:
+    """Return ``key`` if it is None or a str of 1..255 UTF-8 bytes, else raise InvalidKey."""
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise InvalidKey(f"a key must be a str or None, not {type(key).__name__}")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidKey("a key must be valid UTF-8") from exc
+    if not 1 <= size <= MAX_KEY_BYTES:
+        raise InvalidKey(f"a key must be 1 to {MAX_KEY_BYTES} UTF-8 bytes, got {size}")
+    return key
+
+
+def check_input(data: Any) -> dict[str, Any]:
+    """Return the run input as a dict of JSON values, or raise InvalidStart."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise InvalidStart(f"a run's input must be a mapping of keyword arguments, not {type(data).__name__}")
+    if not all(isinstance(k, str) for k in data):
+        raise InvalidStart("a run's input must have str keys")
+    try:
+        return json.loads(json.dumps(dict(data), allow_nan=False))  # type: ignore[no-any-return]
+    except (TypeError, ValueError) as exc:
+        raise InvalidStart(f"a run's input must be JSON: {exc}") from exc
+
+
+@dataclass
+class Step:
+    """One step of a workflow: a function run as its own Celery task."""
+
+    fn: Callable[..., Any]
+    name: str
+    index: int
+    retry: int = 1
+    queue: str | None = None
+    compensate: Callable[..., Any] | None = None
+    timeout: float | None = None
+    backoff: float | None = None
+
+    @property
+    def task_name(self) -> str:
+        """The Celery task name, e.g. ``durable.sync_account.fetch``."""
+        return f"durable.{self.workflow_name}.{self.name}"
+
+    workflow_name: str = ""
+
+
+@dataclass
+class Workflow:
+    """A named chain of steps with key, reuse and duplicate policies."""
+
+    name: str | None = None
+    reuse: str = "after_close"
+    on_duplicate: str | SendEvent = "use_existing"
+    debounce: dict[str, float] | None = None
+    key: str | Callable[[dict[str, Any]], Any] | None = None
+    idempotency: str = "optional"
+    timeout: float | None = None
+    queue: str | None = None
+    steps: list[Step] = field(default_factory=list)
+    durable: Durable | None = None
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise InvalidDefinition(f"a workflow name must be a non-empty str, not {self.name!r}")
+        if self.reuse not in REUSE:
+            raise InvalidDefinition(f"reuse must be one of {REUSE}, not {self.reuse!r}")
+        check_on_duplicate(self.on_duplicate)
+        if self.on_duplicate == "run_again" and self.reuse == "never":
+            raise InvalidDefinition("on_duplicate='run_again' cannot work with reuse='never'")
+        if self.idempotency not in IDEMPOTENCY:
+            raise InvalidDefinition(f"idempotency must be one of {IDEMPOTENCY}, not {self.idempotency!r}")
+        if self.key is not None and not (isinstance(self.key, str) or callable(self.key)):
+            raise InvalidDefinition("key must be a template str or a callable on the input")
+        _check_seconds("timeout", self.timeout)
+        if self.debounce is not None:
+            if not isinstance(self.debounce, Mapping) or "period" not in self.debounce:
+                raise InvalidDefinition("debounce needs {'period': seconds[, 'timeout': seconds]}")
+            _check_seconds("debounce period", self.debounce["period"])
+            _check_seconds("debounce timeout", self.debounce.get("timeout"))
+
+    # -- definition -------------------------------------------------------------------------
+
+    def step(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        name: str | None = None,
+        retry: int = 1,
+        queue: str | None = None,
+        compensate: Callable[..., Any] | None = None,
+        timeout: float | None = None,
+        backoff: float | None = None,
+    ) -> Any:
+        """Add the next step; use as ``@wf.step`` or ``@wf.step(retry=3, queue="slow")``."""
+
+        def add(func: Callable[..., Any]) -> Callable[..., Any]:
+            self._add_step(func, name, retry, queue, compensate, timeout, backoff)
+            return func
+
+        return add(fn) if fn is not None else add
+
+    def _add_step(
+        self,
+        fn: Callable[..., Any],
+        name: str | None,
+        retry: int,
+        queue: str | None,
+        compensate: Callable[..., Any] | None,
+        timeout: float | None,
+        backoff: float | None,
+    ) -> None:
+        if self.name is None:
+            raise InvalidDefinition("name the workflow before adding steps")
+        if not callable(fn):
+            raise InvalidDefinition(f"a step must be callable, not {fn!r}")
+        step_name = name or fn.__name__
+        if not step_name.replace("_", "").replace("-", "").isalnum():
+            raise InvalidDefinition(f"a step name must be letters, digits, '_' or '-': {step_name!r}")
+        if any(s.name == step_name for s in self.steps):
+            raise InvalidDefinition(f"workflow {self.name!r} already has a step {step_name!r}")
+        if isinstance(retry, bool) or not isinstance(retry, int) or retry < 1:
+            raise InvalidDefinition(f"retry is the number of attempts in all, >= 1, not {retry!r}")
+        _check_seconds("step timeout", timeout)
+        _check_seconds("backoff", backoff)
+        step = Step(
+            fn=fn,
+            name=step_name,
+            index=len(self.steps),
+            retry=retry,
+            queue=queue,
+            compensate=compensate,
+            timeout=timeout,
+            backoff=backoff,
+            workflow_name=self.name,
+        )
+        self.steps.append(step)
+        if self.durable is not None:
+            self.durable._register_step(self, step)
+        elif self.shared:
+            from .app import live_durables
+
+            for durable in live_durables():
+                if self.name in durable.workflows:
+                    durable._register_step(self, step)
+
+    def __call__(self, fn: Callable[..., Any]) -> Workflow:
+        """Decorate a function: it becomes the first step, and names the workflow if unnamed."""
+        if not callable(fn) or self.steps:
+            raise TypeError("a workflow decorates one function, its first step")
+        if self.name is None:
+            self.name = fn.__name__
+            if self.durable is not None:
+                self.durable._register_workflow(self)
+        self._add_step(fn, None, 1, None, None, None, None)
+        self.__doc__ = fn.__doc__
+        return self
+
+    # -- running ----------------------------------------------------------------------------
+
+    def start(
+        self,
+        input: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        on_duplicate: str | SendEvent | None = None,
+        connection: Any = None,
+    ) -> str:
+        """Start a run of this workflow; returns the run id (see ``Durable.start``)."""
+        return self.bound().start(self, input, key=key, on_duplicate=on_duplicate, connection=connection)
+
+    def bound(self) -> Durable:
+        """The ``Durable`` this workflow belongs to, or NotConfigured."""
+        if self.durable is not None:
+            return self.durable
+        from .app import durable_for_current_app
+
+        durable = durable_for_current_app()
+        durable.adopt(self)
+        return durable
+
+    def derive_key(self, data: dict[str, Any], key: Any) -> str | None:
+        """The run's key: the one given, else the workflow's template or callable on the input."""
+        if self.idempotency == "off":
+            return None
+        if key is None and self.key is not None:
+            if callable(self.key):
+                key = self.key(data)
+            else:
+                try:
+                    key = self.key.format(**data)
+                except (KeyError, IndexError, AttributeError) as exc:
+                    raise InvalidKey(f"key template {self.key!r} needs {exc} in the input") from exc
+        key = check_key(key)
+        if key is None and self.idempotency == "required":
+            raise InvalidStart(f"workflow {self.name!r} requires a key")
+        return key
+
+    def queue_for(self, step: Step, default: str | None) -> str | None:
+        """Where a step's messages go: the step's queue, the workflow's, or the app default."""
+        return step.queue or self.queue or default
+
+
+def _check_seconds(what: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise InvalidDefinition(f"{what} must be a positive number of seconds, not {value!r}")

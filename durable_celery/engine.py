@@ -1,0 +1,347 @@
+"""Step execution: claim a run, run one step, record its outcome and send the next message."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import signals
+from .context import RunContext, enter, leave
+from .definition import Step, Workflow
+from .errors import RunStopped, StepTimeout
+from .store import queries
+from .store.db import utcnow
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+log = logging.getLogger("durable_celery")
+
+
+class StepCancelled(RunStopped):
+    """The run was cancelled while this step ran."""
+
+    def __init__(self, reason: str = "cancelled") -> None:
+        super().__init__(reason)
+
+
+class StepFenced(RunStopped):
+    """Another worker took the run over; this one may not record anything."""
+
+    def __init__(self, reason: str = "fenced") -> None:
+        super().__init__(reason)
+
+
+class StepTimedOut(RunStopped):
+    """The step ran past its timeout."""
+
+    def __init__(self, reason: str = "timeout") -> None:
+        super().__init__(reason)
+
+
+_STOPS: dict[str, type[RunStopped]] = {
+    "cancelled": StepCancelled,
+    "fenced": StepFenced,
+    "timeout": StepTimedOut,
+}
+
+
+def error_record(exc: BaseException) -> dict[str, Any]:
+    """An exception as stored on a step or run: type, message and traceback."""
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+class ActiveStep:
+    """A step running on this process: its lock token, deadline and how to stop it."""
+
+    def __init__(self, engine: Engine, run_id: str, fence: int, timeout: float | None) -> None:
+        self.engine = engine
+        self.run_id = run_id
+        self.fence = fence
+        self.thread_id = threading.get_ident()
+        self.deadline = time.monotonic() + timeout if timeout else None
+        self.next_beat = time.monotonic() + engine.durable.settings.heartbeat_interval
+        self.stop_reason: str | None = None
+        self._running = True
+        self._lock = threading.Lock()
+
+    def heartbeat_now(self) -> None:
+        """Heartbeat from the step's own thread; raises RunStopped when the run is gone."""
+        reason = self.engine.beat(self)
+        if reason is not None:
+            self.stop_reason = reason
+            raise _STOPS[reason]()
+
+    def interrupt(self, reason: str) -> None:
+        """Raise the matching RunStopped inside the step's thread, if it is still running."""
+        with self._lock:
+            if not self._running or self.stop_reason is not None:
+                return
+            self.stop_reason = reason
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self.thread_id), ctypes.py_object(_STOPS[reason])
+            )
+
+    def finish(self) -> None:
+        """Stop accepting interrupts and drop one that was sent but not yet raised."""
+        while True:
+            try:
+                with self._lock:
+                    self._running = False
+                    if self.stop_reason is not None:
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+                return
+            except RunStopped:  # raised between the step's end and the lock: it came too late
+                continue
+
+
+class Heartbeater:
+    """One thread per process that heartbeats running steps and enforces their timeouts."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.active: set[ActiveStep] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def add(self, step: ActiveStep) -> None:
+        """Watch a step until :meth:`remove`."""
+        with self._lock:
+            self.active.add(step)
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop, name="durable-heartbeat", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def remove(self, step: ActiveStep) -> None:
+        """Stop watching a step."""
+        with self._lock:
+            self.active.discard(step)
+
+    def _loop(self) -> None:
+        interval = self.engine.durable.settings.heartbeat_interval
+        tick = min(0.25, interval / 4)
+        while True:
+            self._wake.wait(tick)
+            self._wake.clear()
+            with self._lock:
+                watched = list(self.active)
+            now = time.monotonic()
+            for step in watched:
+                try:
+                    self._check(step, now, interval)
+                except Exception:  # a database hiccup must not kill the heartbeat thread
+                    log.exception("durable heartbeat of run %s failed", step.run_id)
+
+    def _check(self, step: ActiveStep, now: float, interval: float) -> None:
+        if step.deadline is not None and now >= step.deadline:
+            step.interrupt("timeout")
+        elif now >= step.next_beat:
+            step.next_beat = now + interval
+            reason = self.engine.beat(step)
+            if reason is not None:
+                step.interrupt(reason)
+
+
+@dataclass
+class Outcome:
+    """What one step attempt came to."""
+
+    value: Any = None
+    error: BaseException | None = None
+    stopped: str | None = None
+
+
+class Engine:
+    """Runs steps for one ``Durable``: the one place where step execution lives."""
+
+    def __init__(self, durable: Durable) -> None:
+        self.durable = durable
+        self.db = durable.db
+        self.heartbeater = Heartbeater(self)
+        self.node = f"{socket.gethostname()}:{os.getpid()}"
+        self.fenced_count = 0
+
+    # -- messages -------------------------------------------------------------------------
+
+    def execute(self, workflow: Workflow, step: Step, run_id: str, node: str | None = None) -> str:
+        """Handle one step message; returns what happened ('done', 'dropped', 'fenced', ...)."""
+        node = node or f"{self.node}:{threading.get_ident()}"
+        with self.db.begin() as conn:
+            row = queries.claim_run(self.db, conn, run_id, step.index, node)
+        if row is None:
+            log.debug("durable: dropped message for run %s step %s", run_id, step.name)
+            return "dropped"
+        ctx = RunContext(
+            id=row.id,
+            workflow=row.workflow,
+            input=dict(row.input),
+            context=dict(row.context),
+            attempt=row.attempt,
+            key=row.key,
+            step=step.name,
+            _active=ActiveStep(self, row.id, row.fence, step.timeout),
+        )
+        started = utcnow()
+        signals.step_started.send(
+            sender=self.durable,
+            run_id=row.id,
+            workflow=row.workflow,
+            step=step.name,
+            attempt=row.attempt,
+        )
+        outcome = self._call(step, ctx)
+        return self._record(workflow, step, row, ctx, outcome, started)
+
+    def _call(self, step: Step, ctx: RunContext) -> Outcome:
+        active = ctx._active
+        self.heartbeater.add(active)
+        token = enter(ctx)
+        outcome = Outcome()
+        try:
+            outcome.value = step.fn(**ctx.input)
+        except RunStopped as exc:
+            outcome.stopped = active.stop_reason or exc.reason
+        except Exception as exc:
+            outcome.error = exc
+        finally:
+            active.finish()
+            self.heartbeater.remove(active)
+            leave(token)
+        if outcome.stopped == "timeout":
+            outcome.stopped = None
+            outcome.error = StepTimeout(f"step {step.name!r} ran past its timeout of {step.timeout}s")
+        return outcome
+
+    def beat(self, active: ActiveStep) -> str | None:
+        """One heartbeat; returns None when fine, else 'cancelled' or 'fenced'."""
+        with self.db.begin() as conn:
+            if queries.heartbeat_run(self.db, conn, active.run_id, active.fence):
+                return None
+            status = queries.run_status(conn, active.run_id)
+        return "cancelled" if status in ("cancelled", None) else "fenced"
+
+    # -- results --------------------------------------------------------------------------
+
+    def _record(
+        self,
+        workflow: Workflow,
+        step: Step,
+        row: Any,
+        ctx: RunContext,
+        outcome: Outcome,
+        started: Any,
+    ) -> str:
+        if outcome.stopped is not None:
+            return self._stopped(workflow, step, row, outcome.stopped)
+        if outcome.error is None:
+            outcome = _check_json(outcome, ctx)
+        last = step.index == len(workflow.steps) - 1
+        step_row = {
+            "step_index": step.index,
+            "name": step.name,
+            "attempt": row.attempt,
+            "input": ctx.input,
+            "worker": self.node,
+            "started_at": started,
+            "finished_at": utcnow(),
+        }
+        run_values, status = self._next_state(step, row, ctx, outcome, last)
+        if outcome.error is None:
+            step_row.update(status="completed", output=outcome.value)
+        else:
+            step_row.update(status="failed", error=error_record(outcome.error))
+        with self.db.begin() as conn:
+            recorded = queries.record_step_txn(conn, row.id, row.fence, run_values, step_row)
+            status_now = None if recorded else queries.run_status(conn, row.id)
+        if not recorded:
+            return self._stopped(workflow, step, row, "cancelled" if status_now == "cancelled" else "fenced")
+        signals.step_finished.send(
+            sender=self.durable,
+            run_id=row.id,
+            workflow=row.workflow,
+            step=step.name,
+            attempt=row.attempt,
+            status=step_row["status"],
+            duration=(step_row["finished_at"] - started).total_seconds(),
+        )
+        if status in ("completed", "failed"):
+            signals.run_finished.send(
+                sender=self.durable, run_id=row.id, workflow=row.workflow, status=status
+            )
+        elif outcome.error is None:
+            self.durable.publish(workflow, step.index + 1, row.id, 1, row.key)
+        return status
+
+    def _next_state(
+        self, step: Step, row: Any, ctx: RunContext, outcome: Outcome, last: bool
+    ) -> tuple[dict[str, Any], str]:
+        if outcome.error is None and last:
+            values = {
+                "status": "completed",
+                "output": outcome.value,
+                "context": ctx.context,
+                "finished_at": self.db.now(),
+                "due_at": None,
+            }
+            return values, "completed"
+        if outcome.error is None:
+            values = {
+                "step_index": step.index + 1,
+                "attempt": 1,
+                "losses": 0,
+                "context": ctx.context,
+                "due_at": self.db.now(),
+                "published": True,
+            }
+            return values, "running"
+        if row.attempt < step.retry:
+            delay = self.durable.backoff(step, row.attempt)
+            values = {
+                "attempt": row.attempt + 1,
+                "losses": 0,
+                "due_at": self.db.later(delay),
+                "published": False,
+            }
+            return values, "retrying"
+        values = {
+            "status": "failed",
+            "error": error_record(outcome.error),
+            "finished_at": self.db.now(),
+            "due_at": None,
+        }
+        return values, "failed"
+
+    def _stopped(self, workflow: Workflow, step: Step, row: Any, reason: str) -> str:
+        if reason == "fenced":
+            self.fenced_count += 1
+            log.warning("durable: run %s step %s was taken over; result dropped", row.id, step.name)
+            signals.worker_fenced.send(
+                sender=self.durable, run_id=row.id, workflow=workflow.name, step=step.name
+            )
+        return reason
+
+
+def _check_json(outcome: Outcome, ctx: RunContext) -> Outcome:
+    import json
+
+    try:
+        json.dumps(outcome.value, allow_nan=False)
+        json.dumps(ctx.context, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return Outcome(error=TypeError(f"a step's return value and context must be JSON: {exc}"))
+    return outcome

@@ -1,0 +1,97 @@
+"""Exceptions raised by durable_celery; every one derives from :class:`DurableError`."""
+
+from __future__ import annotations
+
+
+class DurableError(Exception):
+    """Base class of every durable_celery error."""
+
+
+class NotConfigured(DurableError):
+    """No ``Durable`` is bound to the Celery app in use."""
+
+
+class InvalidDefinition(DurableError, ValueError):
+    """A workflow or step was defined with options that cannot work."""
+
+
+class InvalidArgument(DurableError, ValueError):
+    """A call got an argument it cannot use; nothing was written."""
+
+
+class InvalidStart(InvalidArgument):
+    """A start was refused before anything was written."""
+
+
+class InvalidKey(InvalidStart):
+    """A workflow key is not ``None`` or a str of 1 to 255 UTF-8 bytes."""
+
+
+class UnknownWorkflow(InvalidStart):
+    """No workflow of that name is defined."""
+
+
+class KeyTaken(DurableError):
+    """The key is held by another run; ``holder_id`` names it."""
+
+    def __init__(self, holder_id: str, message: str | None = None) -> None:
+        self.holder_id = holder_id
+        super().__init__(message or f"key is held by run {holder_id}")
+
+
+class KeyContended(DurableError):
+    """The key changed hands three times while one start ran; trying again is safe."""
+
+
+class NotFinished(DurableError):
+    """The run is still going; cancel it first."""
+
+
+class NoKey(DurableError):
+    """The run does not hold a key."""
+
+
+class RunNotFound(DurableError, LookupError):
+    """No run has that id."""
+
+    def __init__(self, run_id: object) -> None:
+        self.run_id = run_id
+        super().__init__(f"no run with id {run_id!r}")
+
+
+class Unsupported(DurableError):
+    """The storage backend lacks a capability the call needs."""
+
+
+class RunStopped(BaseException):
+    """Raised inside a step to stop it: the run was cancelled, fenced or timed out.
+
+    It derives from BaseException so that a step's own ``except Exception`` cannot swallow it.
+    """
+
+    def __init__(self, reason: str = "stopped") -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class StepTimeout(DurableError):
+    """A step ran longer than its ``timeout``."""
+
+
+__all__ = [
+    "DurableError",
+    "NotConfigured",
+    "InvalidDefinition",
+    "InvalidArgument",
+    "InvalidStart",
+    "InvalidKey",
+    "UnknownWorkflow",
+    "KeyTaken",
+    "KeyContended",
+    "NotFinished",
+    "NoKey",
+    "RunNotFound",
+    "Unsupported",
+    "RunStopped",
+    "StepTimeout",
+]

@@ -1,0 +1,78 @@
+"""Plain records returned to users: runs and recorded step attempts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+from typing import Any
+
+from .store.schema import FINISHED
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    # SQLite hands back naive datetimes; every time we store is UTC.
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a workflow, as stored."""
+
+    id: str
+    workflow: str
+    status: str
+    input: dict[str, Any]
+    context: dict[str, Any]
+    output: Any
+    error: dict[str, Any] | None
+    key: str | None
+    holds_key: bool
+    runs_after_id: str | None
+    parent_id: str | None
+    attempt: int
+    step_index: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @property
+    def finished(self) -> bool:
+        """True once the run has reached a final status."""
+        return self.status in FINISHED
+
+    @classmethod
+    def from_row(cls, row: Any) -> Run:
+        """Build from a ``durable_runs`` row."""
+        data = row._mapping
+        values = {f.name: data[f.name] for f in fields(cls)}
+        for name in ("created_at", "started_at", "finished_at"):
+            values[name] = _aware(values[name])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One recorded attempt of one step."""
+
+    run_id: str
+    step_index: int
+    name: str
+    attempt: int
+    status: str
+    input: dict[str, Any] | None
+    output: Any
+    error: dict[str, Any] | None
+    worker: str | None
+    started_at: datetime
+    finished_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Any) -> StepRecord:
+        """Build from a ``durable_steps`` row."""
+        data = row._mapping
+        values = {f.name: data[f.name] for f in fields(cls)}
+        for name in ("started_at", "finished_at"):
+            values[name] = _aware(values[name])
+        return cls(**values)

@@ -1,0 +1,1 @@
+"""Storage: the schema, the named statements and the migrations."""

@@ -1,0 +1,119 @@
+"""The database handle: engine creation, clock and transaction scopes for every backend."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, func
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from ..errors import InvalidDefinition
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware in UTC."""
+    return datetime.now(timezone.utc)
+
+
+def normalize_url(url: str) -> str:
+    """Pin PostgreSQL URLs to psycopg 3, so ``postgresql://`` works as users write it."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    elif parsed.drivername.startswith("postgresql+") and parsed.drivername != "postgresql+psycopg":
+        raise InvalidDefinition(f"use the psycopg (3) driver for PostgreSQL, not {parsed.drivername}")
+    return parsed.render_as_string(hide_password=False)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # WAL lets readers run beside the one writer; foreign keys make step rows go with their run.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def _sqlite_begin_immediate(conn: Connection) -> None:
+    # Take the write lock at BEGIN, so two writers queue on busy_timeout instead of deadlocking.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class Database:
+    """One engine per process; connections are held per statement, never across a step."""
+
+    def __init__(self, url: str, *, pool_size: int = 5, echo: bool = False) -> None:
+        self.url = normalize_url(url)
+        self.is_sqlite = self.url.startswith("sqlite")
+        self.is_postgres = self.url.startswith("postgresql")
+        self._pool_size = pool_size
+        self._echo = echo
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._pid = os.getpid()
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of this process, created on first use (and anew after a fork)."""
+        if self._engine is None or self._pid != os.getpid():
+            with self._lock:
+                if self._engine is None or self._pid != os.getpid():
+                    if self._engine is not None:
+                        self._engine.dispose(close=False)
+                    self._engine = self._create_engine()
+                    self._pid = os.getpid()
+        return self._engine
+
+    def _create_engine(self) -> Engine:
+        if self.is_sqlite:
+            path = make_url(self.url).database
+            if path and path != ":memory:":
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            engine = create_engine(
+                self.url,
+                echo=self._echo,
+                connect_args={"timeout": 60, "check_same_thread": False},
+                poolclass=NullPool if path in (None, "", ":memory:") else None,
+            )
+            event.listen(engine, "connect", _sqlite_pragmas)
+
+            @event.listens_for(engine, "connect")
+            def _no_pysqlite_begin(dbapi_conn: Any, _record: Any) -> None:
+                dbapi_conn.isolation_level = None
+
+            event.listen(engine, "begin", _sqlite_begin_immediate)
+            return engine
+        return create_engine(
+            self.url,
+            echo=self._echo,
+            pool_size=self._pool_size,
+            max_overflow=self._pool_size,
+            pool_pre_ping=True,
+            pool_recycle=1800,
+        )
+
+    def dispose(self) -> None:
+        """Close every pooled connection of this process."""
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A connection in a transaction that commits on success and rolls back on error."""
+        with self.engine.begin() as conn:
+            yield conn
+
+    def now(self) -> Any:
+        """The database's clock as a SQL expression (PostgreSQL), or this host's (SQLite)."""
+        return func.now() if self.is_postgres else utcnow()
+
+    def later(self, seconds: float) -> Any:
+        """``now() + seconds`` on the same clock as :meth:`now`."""
+        return self.now() + timedelta(seconds=seconds)

@@ -1,0 +1,58 @@
+"""Alembic migrations, run from code: ``Durable.migrate()`` and ``migrate --check``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from .db import Database
+
+VERSION_TABLE = "durable_alembic_version"
+SCRIPTS = Path(__file__).parent / "migrations"
+
+
+def alembic_config(db: Database) -> Config:
+    """An Alembic config for our scripts and version table, on ``db``."""
+    config = Config()
+    config.set_main_option("script_location", str(SCRIPTS))
+    config.set_main_option("sqlalchemy.url", db.url.replace("%", "%%"))
+    config.attributes["database"] = db
+    return config
+
+
+def head_revision(db: Database) -> str | None:
+    """The newest revision the code knows."""
+    return ScriptDirectory.from_config(alembic_config(db)).get_current_head()
+
+
+def current_revision(db: Database) -> str | None:
+    """The revision the database is at, or None when it was never migrated."""
+    with db.engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+
+
+def pending_revisions(db: Database) -> list[str]:
+    """Revisions not yet applied, oldest first."""
+    script = ScriptDirectory.from_config(alembic_config(db))
+    current = current_revision(db)
+    revs = list(script.iterate_revisions("head", current or "base"))
+    return [r.revision for r in reversed(revs) if r.revision != current]
+
+
+def upgrade(db: Database, progress: Callable[[str], None] | None = None) -> list[str]:
+    """Apply every pending revision, reporting each; returns the revisions applied."""
+    todo = pending_revisions(db)
+    config = alembic_config(db)
+    for revision in todo:
+        if progress:
+            progress(f"applying {revision}")
+        command.upgrade(config, revision)
+    if progress:
+        progress("database is up to date" if not todo else f"applied {len(todo)} revision(s)")
+    return todo

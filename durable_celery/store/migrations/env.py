@@ -1,0 +1,21 @@
+"""Alembic environment for durable_celery's own tables."""
+
+from alembic import context
+
+from durable_celery.store.migrate import VERSION_TABLE
+from durable_celery.store.schema import metadata
+
+config = context.config
+database = config.attributes["database"]
+
+with database.engine.connect() as connection:
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        version_table=VERSION_TABLE,
+        render_as_batch=database.is_sqlite,
+        transaction_per_migration=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+    connection.commit()

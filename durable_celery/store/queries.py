@@ -1,0 +1,224 @@
+"""Every statement that touches the database, each a named function.
+
+Functions named ``*_txn`` run inside the caller's transaction (``conn``); the caller owns commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Row, and_, func, insert, or_, select, update
+
+from .db import Database
+from .schema import runs, steps
+
+CLAIMABLE = ("pending", "running")
+
+# Columns a worker needs to run a step; returned by the claim itself, so a claim is one statement.
+_CLAIM_COLUMNS = (
+    runs.c.id,
+    runs.c.workflow,
+    runs.c.input,
+    runs.c.context,
+    runs.c.key,
+    runs.c.step_index,
+    runs.c.attempt,
+    runs.c.fence,
+    runs.c.parent_id,
+    runs.c.losses,
+)
+
+
+def insert_run_txn(conn: Connection, values: dict[str, Any]) -> None:
+    """Insert one run row."""
+    conn.execute(insert(runs).values(**values))
+
+
+def fetch_run(conn: Connection, run_id: str) -> Row[Any] | None:
+    """One run row by id, or None."""
+    return conn.execute(select(runs).where(runs.c.id == run_id)).first()
+
+
+def fetch_runs(
+    conn: Connection,
+    *,
+    workflow: str | None = None,
+    key: str | None = None,
+    status: str | Sequence[str] | None = None,
+    limit: int = 100,
+) -> Sequence[Any]:
+    """Runs matching the filters, newest first."""
+    query = select(runs)
+    if workflow is not None:
+        query = query.where(runs.c.workflow == workflow)
+    if key is not None:
+        query = query.where(runs.c.key == key)
+    if isinstance(status, str):
+        query = query.where(runs.c.status == status)
+    elif status is not None:
+        query = query.where(runs.c.status.in_(list(status)))
+    query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit)
+    return conn.execute(query).all()
+
+
+def fetch_steps(conn: Connection, run_id: str) -> Sequence[Any]:
+    """Every recorded step attempt of a run, in order."""
+    query = select(steps).where(steps.c.run_id == run_id)
+    return conn.execute(query.order_by(steps.c.step_index, steps.c.attempt)).all()
+
+
+def claim_run(db: Database, conn: Connection, run_id: str, step_index: int, node: str) -> Row[Any] | None:
+    """Take the run for one step if it is due and unlocked; bumps the fencing token."""
+    now = db.now()
+    query = (
+        update(runs)
+        .where(
+            runs.c.id == run_id,
+            runs.c.step_index == step_index,
+            runs.c.status.in_(CLAIMABLE),
+            runs.c.locked_by.is_(None),
+            runs.c.due_at <= now,
+        )
+        .values(
+            status="running",
+            fence=runs.c.fence + 1,
+            locked_by=node,
+            heartbeat_at=now,
+            due_at=None,
+            published=False,
+            started_at=func.coalesce(runs.c.started_at, now),
+        )
+        .returning(*_CLAIM_COLUMNS)
+    )
+    return conn.execute(query).first()
+
+
+def heartbeat_run(db: Database, conn: Connection, run_id: str, fence: int) -> bool:
+    """Refresh the lock of a running step; False when the run was cancelled or taken over."""
+    query = (
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.fence == fence, runs.c.status == "running")
+        .values(heartbeat_at=db.now())
+        .returning(runs.c.id)
+    )
+    return conn.execute(query).first() is not None
+
+
+def record_step_txn(
+    conn: Connection,
+    run_id: str,
+    fence: int,
+    run_values: dict[str, Any],
+    step_row: dict[str, Any],
+) -> bool:
+    """Write a step's outcome and the run's next state, unless the worker was fenced out."""
+    query = (
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.fence == fence, runs.c.status == "running")
+        .values(locked_by=None, heartbeat_at=None, **run_values)
+    )
+    if conn.execute(query).rowcount != 1:
+        return False
+    conn.execute(insert(steps).values(run_id=run_id, **step_row))
+    return True
+
+
+def cancel_run_txn(
+    db: Database, conn: Connection, run_id: str, error: dict[str, Any], statuses: Sequence[str]
+) -> Row[Any] | None:
+    """Mark an unfinished run cancelled; returns it, or None when its status was not one given."""
+    query = (
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.status.in_(list(statuses)))
+        .values(
+            status="cancelled",
+            error=error,
+            finished_at=db.now(),
+            due_at=None,
+            published=False,
+            locked_by=None,
+        )
+        .returning(runs.c.id, runs.c.workflow, runs.c.key)
+    )
+    return conn.execute(query).first()
+
+
+def take_due_runs_txn(
+    db: Database, conn: Connection, relay_after: float, limit: int, *where: Any
+) -> Sequence[Any]:
+    """Runs needing a message: due and never sent, or sent long ago and still not claimed.
+
+    They are marked sent in the same transaction; rows other nodes hold are skipped.
+    """
+    now = db.now()
+    due = and_(runs.c.due_at.is_not(None), runs.c.locked_by.is_(None))
+    never_sent = and_(runs.c.published.is_(False), runs.c.due_at <= now)
+    lost = and_(runs.c.published.is_(True), runs.c.due_at <= db.later(-relay_after))
+    query = (
+        select(runs.c.id, runs.c.workflow, runs.c.step_index, runs.c.attempt, runs.c.key)
+        .where(due, or_(never_sent, lost), runs.c.status.in_(CLAIMABLE), *where)
+        .order_by(runs.c.due_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    rows = conn.execute(query).all()
+    if rows:
+        ids = [r.id for r in rows]
+        conn.execute(update(runs).where(runs.c.id.in_(ids)).values(published=True, due_at=now))
+    return rows
+
+
+def mark_unsent(conn: Connection, run_ids: Sequence[str]) -> None:
+    """Flag runs whose message could not be sent, so the relay sends it at its next pass."""
+    conn.execute(
+        update(runs).where(runs.c.id.in_(list(run_ids)), runs.c.published.is_(True)).values(published=False)
+    )
+
+
+def release_stale_locks_txn(
+    db: Database, conn: Connection, stale_after: float, max_losses: int, error: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """Hand back runs whose worker stopped heart-beating; fail those lost ``max_losses`` times."""
+    cutoff = db.later(-stale_after)
+    stale = and_(runs.c.locked_by.is_not(None), runs.c.heartbeat_at < cutoff, runs.c.status == "running")
+    rows = conn.execute(select(runs.c.id, runs.c.losses).where(stale).with_for_update(skip_locked=True)).all()
+    lost_for_good = [r.id for r in rows if r.losses + 1 >= max_losses]
+    handed_back = [r.id for r in rows if r.losses + 1 < max_losses]
+    if handed_back:
+        conn.execute(
+            update(runs)
+            .where(runs.c.id.in_(handed_back))
+            .values(
+                locked_by=None,
+                heartbeat_at=None,
+                losses=runs.c.losses + 1,
+                due_at=db.now(),
+                published=False,
+            )
+        )
+    if lost_for_good:
+        conn.execute(
+            update(runs)
+            .where(runs.c.id.in_(lost_for_good))
+            .values(
+                locked_by=None,
+                heartbeat_at=None,
+                losses=runs.c.losses + 1,
+                status="failed",
+                error=error,
+                finished_at=db.now(),
+            )
+        )
+    return handed_back, lost_for_good
+
+
+def run_status(conn: Connection, run_id: str) -> str | None:
+    """The status of one run, or None when there is no such run."""
+    return conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
+
+
+def count_runs_by_status(conn: Connection) -> dict[tuple[str, str], int]:
+    """How many runs each workflow has in each status."""
+    query = select(runs.c.workflow, runs.c.status, func.count()).group_by(runs.c.workflow, runs.c.status)
+    return {(w, s): n for w, s, n in conn.execute(query)}

@@ -1,0 +1,129 @@
+"""Periodic upkeep inside every worker: the outbox relay and waker, and the stale-lock sweep.
+
+Every pass claims its rows with ``FOR UPDATE SKIP LOCKED``, so any number of nodes can run it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery import bootsteps
+
+from . import signals
+from .store import queries
+from .store.schema import runs
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+log = logging.getLogger("durable_celery")
+
+RELAY_BATCH = 500
+
+
+def relay_once(durable: Durable) -> int:
+    """Send every due run's message (new, woken or lost); returns how many were sent."""
+    known = list(durable.workflows)
+    if not known:
+        return 0
+    sent = 0
+    while True:
+        with durable.db.begin() as conn:
+            rows = queries.take_due_runs_txn(
+                durable.db,
+                conn,
+                durable.settings.relay_after,
+                RELAY_BATCH,
+                runs.c.workflow.in_(known),
+            )
+        for row in rows:
+            workflow = durable.workflows[row.workflow]
+            if row.step_index < len(workflow.steps):
+                sent += durable.publish(workflow, row.step_index, row.id, row.attempt, row.key)
+        if len(rows) < RELAY_BATCH:
+            return sent
+
+
+def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
+    """Hand back runs whose worker vanished; fail those lost too often. Returns both lists."""
+    s = durable.settings
+    error = {
+        "type": "WorkerLost",
+        "message": f"the run's worker was lost {s.max_losses} times during one step",
+        "traceback": None,
+    }
+    with durable.db.begin() as conn:
+        handed_back, failed = queries.release_stale_locks_txn(
+            durable.db, conn, s.stale_lock_timeout, s.max_losses, error
+        )
+    if handed_back or failed:
+        log.warning("durable: recovered %d stale run(s), failed %d", len(handed_back), len(failed))
+        signals.stale_recovered.send(sender=durable, run_ids=handed_back, failed_ids=failed)
+    for run_id in failed:
+        signals.run_finished.send(sender=durable, run_id=run_id, workflow=None, status="failed")
+    if handed_back:
+        relay_once(durable)
+    return handed_back, failed
+
+
+class Upkeep:
+    """A daemon thread running the periodic passes until stopped."""
+
+    def __init__(self, durable: Durable) -> None:
+        self.durable = durable
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="durable-upkeep", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for its current pass."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        s = self.durable.settings
+        next_sweep = time.monotonic() + min(s.sweep_interval, s.stale_lock_timeout)
+        while not self._stop.wait(s.poll_interval):
+            self._guarded(relay_once)
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + s.sweep_interval
+                self._guarded(sweep_stale_once)
+
+    def _guarded(self, job: Any) -> None:
+        try:
+            job(self.durable)
+        except Exception:  # the database may be restarting; the next pass tries again
+            log.exception("durable upkeep: %s failed", job.__name__)
+
+
+def install(durable: Durable) -> None:
+    """Run upkeep inside every worker of ``durable.app`` (a worker bootstep)."""
+    if not durable.settings.upkeep:
+        return
+
+    class DurableUpkeep(bootsteps.StartStopStep):
+        """Durable's relay, waker and stale-lock sweep, started with the worker."""
+
+        requires = ("celery.worker.components:Pool",)
+
+        def __init__(self, worker: Any, **kwargs: Any) -> None:
+            super().__init__(worker, **kwargs)
+            self.upkeep = Upkeep(durable)
+
+        def start(self, worker: Any) -> None:
+            self.upkeep.start()
+
+        def stop(self, worker: Any) -> None:
+            self.upkeep.stop()
+
+    durable.app.steps["worker"].add(DurableUpkeep)
