@@ -67,6 +67,8 @@ class Settings:
             elif conf_value is not None:
                 values[name] = conf_value
         url = database_url or values.get("database_url") or os.environ.get("DURABLE_DATABASE_URL")
+        if "home" not in values and os.environ.get("DURABLE_HOME"):
+            values["home"] = os.environ["DURABLE_HOME"]
         values["database_url"] = url
         settings = cls(**values)
         for name in (

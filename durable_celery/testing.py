@@ -8,10 +8,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from celery.contrib.testing.worker import start_worker
+from celery.worker import state as worker_state
 
 from .app import Durable
 from .models import Run
 from .store.schema import FINISHED
+
+WAKE_TASK = "durable.testing.wake"
 
 
 @contextmanager
@@ -26,6 +29,8 @@ def worker(
     """Run a real Celery worker (thread pool) for ``durable.app`` inside this process."""
     if queues:
         options["queues"] = queues
+    if WAKE_TASK not in durable.app.tasks:
+        durable.app.task(name=WAKE_TASK, shared=False, ignore_result=True)(_noop)
     with start_worker(
         durable.app,
         concurrency=concurrency,
@@ -35,7 +40,23 @@ def worker(
         shutdown_timeout=30,
         **options,
     ) as controller:
-        yield controller
+        try:
+            yield controller
+        finally:
+            worker_state.should_terminate = 0  # what start_worker sets on exit, set first
+            _wake(durable, queues)
+
+
+def _wake(durable: Durable, queues: list[str] | None) -> None:
+    # Transports without push (memory, filesystem) poll with a 2 s timeout; a message makes the
+    # consumer loop turn at once and notice the stop.
+    if durable.app.conf.broker_url.split(":", 1)[0] in ("memory", "filesystem"):
+        for queue in queues or [durable.app.conf.task_default_queue]:
+            durable.app.send_task(WAKE_TASK, queue=queue, ignore_result=True)
+
+
+def _noop() -> None:
+    """Does nothing; its message wakes a polling consumer."""
 
 
 def wait_for(

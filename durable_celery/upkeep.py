@@ -112,18 +112,11 @@ def install(durable: Durable) -> None:
         return
 
     class DurableUpkeep(bootsteps.StartStopStep):
-        """Durable's relay, waker and stale-lock sweep, started with the worker."""
+        """Durable's relay, waker and stale-lock sweep, started and stopped with the worker."""
 
         requires = ("celery.worker.components:Pool",)
 
-        def __init__(self, worker: Any, **kwargs: Any) -> None:
-            super().__init__(worker, **kwargs)
-            self.upkeep = Upkeep(durable)
-
-        def start(self, worker: Any) -> None:
-            self.upkeep.start()
-
-        def stop(self, worker: Any) -> None:
-            self.upkeep.stop()
+        def create(self, worker: Any) -> Upkeep:
+            return Upkeep(durable)
 
     durable.app.steps["worker"].add(DurableUpkeep)

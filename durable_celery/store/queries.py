@@ -192,6 +192,7 @@ def release_stale_locks_txn(
             .values(
                 locked_by=None,
                 heartbeat_at=None,
+                fence=runs.c.fence + 1,  # the lost worker is fenced out at once
                 losses=runs.c.losses + 1,
                 due_at=db.now(),
                 published=False,

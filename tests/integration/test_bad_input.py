@@ -1,0 +1,69 @@
+"""Bad input gets a clear durable_celery error and writes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from durable_celery import (
+    DurableError,
+    InvalidArgument,
+    InvalidKey,
+    InvalidStart,
+    RunNotFound,
+    UnknownWorkflow,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def shop(durable):
+    wf = durable.workflow("charge")
+
+    @wf.step
+    def pay(amount):
+        return amount
+
+    return durable
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error"),
+    [
+        (("no_such_workflow", {"amount": 1}), {}, UnknownWorkflow),
+        ((42, {}), {}, UnknownWorkflow),
+        (("charge", {"amount": object()}), {}, InvalidStart),
+        (("charge", [1, 2]), {}, InvalidStart),
+        (("charge", {"amount": 1}), {"key": ""}, InvalidKey),
+        (("charge", {"amount": 1}), {"key": "k" * 256}, InvalidKey),
+        (("charge", {"amount": 1}), {"key": 7}, InvalidKey),
+        (("charge", {"amount": 1}), {"on_duplicate": "whatever"}, DurableError),
+        (("charge", {"amount": 1}), {"connection": "not a connection"}, InvalidArgument),
+    ],
+)
+def test_bad_start_raises_and_writes_nothing(shop, args, kwargs, error):
+    with pytest.raises(error):
+        shop.start(*args, **kwargs)
+    assert shop.list_runs() == []
+
+
+def test_empty_workflow_cannot_start(durable):
+    durable.workflow("empty")
+    with pytest.raises(UnknownWorkflow):
+        durable.start("empty")
+    assert durable.list_runs() == []
+
+
+@pytest.mark.parametrize("run_id", ["00000000-0000-0000-0000-000000000000", "nope", 12, None])
+def test_unknown_run_id_is_run_not_found(shop, run_id):
+    for call in (shop.get_run, shop.cancel, shop.list_steps):
+        with pytest.raises(RunNotFound):
+            call(run_id)
+    assert shop.list_runs() == []
+
+
+def test_bad_list_arguments(shop):
+    with pytest.raises(InvalidArgument):
+        shop.list_runs(status="done")
+    with pytest.raises(InvalidArgument):
+        shop.list_runs(limit=0)

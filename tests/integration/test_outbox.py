@@ -1,0 +1,99 @@
+"""The transactional outbox: a committed start is never lost, whatever the broker did."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from durable_celery import Durable, RunNotFound
+from durable_celery.testing import wait_for, worker
+from tests.conftest import FAST, REDIS_URL
+
+pytestmark = [pytest.mark.timeout(60)]
+
+DEAD_BROKER = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+
+
+def define(durable: Durable) -> None:
+    wf = durable.workflow("ship")
+
+    @wf.step
+    def pack(order):
+        return f"packed {order}"
+
+    @wf.step
+    def send(order):
+        return f"sent {order}"
+
+
+def make(url: str, broker: str, queue: str, **settings) -> Durable:
+    app = Celery("outbox", broker=broker)
+    app.conf.task_default_queue = queue
+    app.conf.broker_connection_timeout = 1
+    durable = Durable(app, url, **{**FAST, **settings})
+    define(durable)
+    return durable
+
+
+def test_start_while_broker_is_down_completes_once_it_is_back(pg_url, redis_client):
+    producer = make(pg_url, DEAD_BROKER, "outbox-a", publish_retries=0)
+    run_id = producer.start("ship", {"order": 42})  # commits; the publish fails
+    run = producer.get_run(run_id)
+    assert run.status == "pending"
+    consumer = make(pg_url, REDIS_URL, "outbox-a")
+    with worker(consumer):
+        done = wait_for(consumer, run_id, timeout=20)
+    assert done.status == "completed" and done.output == "sent 42"
+    assert [s.name for s in consumer.list_steps(run_id)] == ["pack", "send"]
+
+
+def test_committed_start_whose_message_was_lost_is_relayed(pg_url, redis_client):
+    # The producer "crashes" after commit: its message goes to a queue no worker reads.
+    producer = make(pg_url, REDIS_URL, "nobody-listens")
+    run_id = producer.start("ship", {"order": 7})
+    consumer = make(pg_url, REDIS_URL, "outbox-b", relay_after=1.0)
+    with worker(consumer):
+        done = wait_for(consumer, run_id, timeout=20)
+    assert done.status == "completed" and done.output == "sent 7"
+    redis_client.delete("nobody-listens")
+
+
+def test_nothing_is_published_for_a_rolled_back_start(pg_url, redis_client):
+    from sqlalchemy import create_engine
+
+    durable = make(pg_url, REDIS_URL, "outbox-c")
+    engine = create_engine(durable.db.url)
+    with engine.connect() as conn:
+        trans = conn.begin()
+        run_id = durable.start("ship", {"order": 1}, connection=conn)
+        trans.rollback()
+    assert redis_client.llen("outbox-c") == 0
+    with pytest.raises(RunNotFound):
+        durable.get_run(run_id)
+    engine.dispose()
+
+
+def test_start_inside_callers_transaction_runs_after_commit(pg_url, redis_client):
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.orm import Session
+
+    durable = make(pg_url, REDIS_URL, "outbox-d")
+    engine = create_engine(durable.db.url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE orders (id int primary key)"))
+    with worker(durable):
+        with engine.connect() as conn, conn.begin():
+            conn.execute(text("INSERT INTO orders VALUES (1)"))
+            in_conn = durable.start("ship", {"order": 1}, connection=conn)
+            assert redis_client.llen("outbox-d") == 0  # nothing published before commit
+            with pytest.raises(RunNotFound):
+                durable.get_run(in_conn)
+        with Session(engine) as session:
+            session.execute(text("INSERT INTO orders VALUES (2)"))
+            in_session = durable.start("ship", {"order": 2}, connection=session)
+            with pytest.raises(RunNotFound):  # not visible outside the transaction yet
+                durable.get_run(in_session)
+            session.commit()
+        assert wait_for(durable, in_conn).output == "sent 1"
+        assert wait_for(durable, in_session).output == "sent 2"
+    engine.dispose()
