@@ -74,9 +74,7 @@ MakeDurable = Callable[..., Durable]
 
 
 @pytest.fixture
-def make_durable(
-    backend: str, request: pytest.FixtureRequest, tmp_path: Any
-) -> Iterator[MakeDurable]:
+def make_durable(backend: str, request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[MakeDurable]:
     """Build a Celery app and its Durable on this test's backend; each gets its own queue."""
     created: list[Durable] = []
     queue = f"q-{uuid.uuid4().hex[:8]}"

@@ -68,7 +68,10 @@ def test_cli_migrate_check_fails_when_behind_and_passes_after_migrate(empty_url,
     def celery(*args):
         return subprocess.run(
             [sys.executable, "-m", "celery", "-A", "cliapp", "durable", *args],
-            capture_output=True, text=True, env=env, timeout=60,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
         )
 
     behind = celery("migrate", "--check")

@@ -101,16 +101,12 @@ def test_send_event_and_on_duplicate_values(durable):
         SendEvent("")
 
 
-@pytest.mark.parametrize(
-    "key", ["k", "x" * 255, "é" * 127, "日本" * 42, "🙂" * 63]
-)
+@pytest.mark.parametrize("key", ["k", "x" * 255, "é" * 127, "日本" * 42, "🙂" * 63])
 def test_keys_of_1_to_255_utf8_bytes_are_valid(key):
     assert check_key(key) == key
 
 
-@pytest.mark.parametrize(
-    "key", ["", "x" * 256, "é" * 128, "🙂" * 64, 42, b"bytes", ["k"], "\ud800"]
-)
+@pytest.mark.parametrize("key", ["", "x" * 256, "é" * 128, "🙂" * 64, 42, b"bytes", ["k"], "\ud800"])
 def test_other_keys_are_refused(key):
     with pytest.raises(InvalidKey):
         check_key(key)
