@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery
 
-from . import signals
+from . import control, observe
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -22,7 +22,9 @@ from .errors import (
     RunNotFound,
     UnknownWorkflow,
 )
+from .keys import decide_start_txn
 from .models import Run, StepRecord
+from .observe import Activity, KeyEntry, Stats
 from .store import migrate as migrations
 from .store import queries
 from .store.db import Database
@@ -102,6 +104,7 @@ class Durable:
         self.db = Database(self.settings.database_url or "", pool_size=self.settings.pool_size)
         self.workflows: dict[str, Workflow] = {}
         self.engine = Engine(self)
+        self.stats = Stats(self)
         if self.settings.stale_lock_timeout < 3 * self.settings.heartbeat_interval:
             log.warning(
                 "durable: stale_lock_timeout (%ss) is under 3 x heartbeat_interval (%ss): "
@@ -213,35 +216,52 @@ class Durable:
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
     ) -> str:
-        """Start a run and return its id; the first step is published after commit."""
+        """Start a run and return its id, or the id the key's holder answers with.
+
+        The first step is published once the transaction commits; with ``connection`` the
+        run is written in the caller's open transaction and goes out after their commit.
+        """
         wf = self._resolve(workflow)
         data = check_input(input)
         run_key = wf.derive_key(data, key)
-        if on_duplicate is not None:
-            check_on_duplicate(on_duplicate)
-        run_id = str(uuid.uuid4())
-        values = {
-            "id": run_id,
+        policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate)
+        run = self._new_run(wf, data, run_key)
+        if connection is not None:
+            from .transactions import start_in_callers_transaction
+
+            return start_in_callers_transaction(self, connection, wf, run, policy)
+        with self.db.begin() as conn:
+            decision = decide_start_txn(self, conn, wf, run, policy)
+        decision.after_commit(self)
+        return decision.run_id
+
+    def _new_run(self, wf: Workflow, data: dict[str, Any], key: str | None) -> dict[str, Any]:
+        run = {
+            "id": str(uuid.uuid4()),
             "workflow": wf.name,
             "status": "pending",
             "input": data,
             "context": {},
-            "key": run_key,
-            "holds_key": False,
+            "key": key,
             "created_at": self.db.now(),
             "due_at": self.db.now(),
-            "published": connection is None,
+            "published": True,
         }
-        if connection is None:
-            with self.db.begin() as conn:
-                queries.insert_run_txn(conn, values)
-            self.publish(wf, 0, run_id, 1, run_key)
-        else:
-            from .transactions import insert_in_callers_transaction
+        if wf.debounce and key is not None:
+            # Due after the period, never later than the timeout from this first start.
+            run.update(due_at=self.db.later(wf.debounce["period"]), published=False)
+            if wf.debounce.get("timeout"):
+                run["not_after"] = self.db.later(wf.debounce["timeout"])
+        return run
 
-            insert_in_callers_transaction(self, connection, values, wf)
-        signals.run_started.send(sender=self, run_id=run_id, workflow=wf.name, key=run_key)
-        return run_id
+    def publish_named(
+        self, workflow: str, run_id: str, step_index: int, attempt: int, key: str | None
+    ) -> bool:
+        """Send the message for one step of a run of the named workflow, if it is defined here."""
+        wf = self.workflows.get(workflow)
+        if wf is None or step_index >= len(wf.steps):
+            return False  # the relay of a node that knows the workflow sends it
+        return self.publish(wf, step_index, run_id, attempt, key)
 
     def publish(
         self, workflow: Workflow, step_index: int, run_id: str, attempt: int, key: str | None
@@ -319,17 +339,35 @@ class Durable:
 
     def cancel(self, run_id: str) -> bool:
         """Cancel an unfinished run; False if it had already finished. RunNotFound if none."""
-        if not isinstance(run_id, str):
-            raise RunNotFound(run_id)
-        error = {"type": "Cancelled", "message": "cancelled", "traceback": None}
-        with self.db.begin() as conn:
-            row = queries.cancel_run_txn(self.db, conn, run_id, error, ("pending", "running", "waiting"))
-            if row is None and queries.run_status(conn, run_id) is None:
-                raise RunNotFound(run_id)
-        if row is None:
-            return False
-        signals.run_finished.send(sender=self, run_id=run_id, workflow=row.workflow, status="cancelled")
-        return True
+        return control.cancel(self, run_id)
+
+    def retry(self, run_id: str) -> str:
+        """Resume a failed run from its failed step; KeyTaken if a newer run keeps its key."""
+        return control.retry(self, run_id)
+
+    def rerun(self, run_id: str) -> str:
+        """Start a fresh copy of a finished run with its input and key; KeyTaken if held."""
+        return control.rerun(self, run_id)
+
+    def release_key(self, run_id: str, by: str | None = None) -> None:
+        """Free a finished run's key (NotFinished, NoKey otherwise); ``by`` is recorded."""
+        control.release_key(self, run_id, by)
+
+    def send_event(self, run_id: str, name: str, payload: Any = None, buffer: bool = False) -> bool:
+        """Deliver event ``name`` to a run waiting for it, or keep it with ``buffer=True``."""
+        return control.send_event(self, run_id, name, payload, buffer)
+
+    # -- watching ---------------------------------------------------------------------------
+
+    def activity(
+        self, kinds: Any = None, run_id: str | None = None, workflow: str | None = None, limit: int = 100
+    ) -> list[Activity]:
+        """Activity entries (key decisions and more), newest first."""
+        return observe.list_activity(self, kinds, run_id, workflow, limit)
+
+    def list_keys(self, workflow: str | None = None, limit: int = 1000) -> list[KeyEntry]:
+        """Held keys with their holder, runs per key and re-adds in the last day."""
+        return observe.list_keys(self, workflow, limit)
 
     def count_runs(self) -> dict[tuple[str, str], int]:
         """How many runs each workflow has in each status."""

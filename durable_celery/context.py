@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import DurableError
+from .waits import MISSING
 
 if TYPE_CHECKING:
     from .engine import ActiveStep
@@ -26,10 +27,21 @@ class RunContext:
     key: str | None
     step: str
     _active: ActiveStep = field(repr=False)
+    _resumed_wait: str | None = field(default=None, repr=False)
 
     def heartbeat(self) -> None:
         """Prove this step is alive; raises RunStopped if the run was cancelled or taken over."""
         self._active.heartbeat_now()
+
+    def wait_for_event(self, name: str, timeout: float | None = None, timeout_value: Any = MISSING) -> Any:
+        """The payload of event ``name``; the run parks (worker freed) until it comes.
+
+        On timeout it returns ``timeout_value``, or fails the step with EventTimeout if none
+        was given. A run gets one event per name: the newest kept when it first waits.
+        """
+        from .waits import wait_for_event
+
+        return wait_for_event(self, name, timeout, timeout_value)
 
 
 def current_run() -> RunContext:

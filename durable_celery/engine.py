@@ -16,8 +16,10 @@ from . import signals
 from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import RunStopped, StepTimeout
-from .store import queries
+from .keys import settle_waiting_txn
+from .store import event_rows, key_rows, queries
 from .store.db import utcnow
+from .waits import Parked
 
 if TYPE_CHECKING:
     from .app import Durable
@@ -164,6 +166,7 @@ class Outcome:
     value: Any = None
     error: BaseException | None = None
     stopped: str | None = None
+    parked: Parked | None = None
 
 
 class Engine:
@@ -195,6 +198,7 @@ class Engine:
             key=row.key,
             step=step.name,
             _active=ActiveStep(self, row.id, row.fence, step.timeout),
+            _resumed_wait=row.wait_name,
         )
         started = utcnow()
         signals.step_started.send(
@@ -216,6 +220,8 @@ class Engine:
             outcome.value = step.fn(**ctx.input)
         except RunStopped as exc:
             outcome.stopped = active.stop_reason or exc.reason
+        except Parked as parked:
+            outcome.parked = parked
         except Exception as exc:
             outcome.error = exc
         finally:
@@ -248,6 +254,8 @@ class Engine:
     ) -> str:
         if outcome.stopped is not None:
             return self._stopped(workflow, step, row, outcome.stopped)
+        if outcome.parked is not None:
+            return self._park(workflow, step, row, outcome.parked)
         if outcome.error is None:
             outcome = _check_json(outcome, ctx)
         last = step.index == len(workflow.steps) - 1
@@ -265,9 +273,17 @@ class Engine:
             step_row.update(status="completed", output=outcome.value)
         else:
             step_row.update(status="failed", error=error_record(outcome.error))
+        finishing = status in ("completed", "failed")
+        settled = None
         with self.db.begin() as conn:
+            # The key row is locked before the run row, the order every transaction keeps.
+            key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
             recorded = queries.record_step_txn(conn, row.id, row.fence, run_values, step_row)
             status_now = None if recorded else queries.run_status(conn, row.id)
+            if recorded and key_row is not None:
+                settled = settle_waiting_txn(self.durable, conn, key_row, status, workflow)
+        if settled is not None:
+            settled.after_commit(self.durable)
         if not recorded:
             return self._stopped(workflow, step, row, "cancelled" if status_now == "cancelled" else "fenced")
         signals.step_finished.send(
@@ -325,6 +341,14 @@ class Engine:
             "due_at": None,
         }
         return values, "failed"
+
+    def _park(self, workflow: Workflow, step: Step, row: Any, parked: Parked) -> str:
+        with self.db.begin() as conn:
+            done = event_rows.park_txn(self.db, conn, row.id, row.fence, parked.name, parked.timeout)
+            status_now = None if done else queries.run_status(conn, row.id)
+        if not done:
+            return self._stopped(workflow, step, row, "cancelled" if status_now == "cancelled" else "fenced")
+        return "waiting"
 
     def _stopped(self, workflow: Workflow, step: Step, row: Any, reason: str) -> str:
         if reason == "fenced":

@@ -9,8 +9,8 @@ from typing import Any
 from .store.schema import FINISHED
 
 
-def _aware(value: datetime | None) -> datetime | None:
-    # SQLite hands back naive datetimes; every time we store is UTC.
+def aware(value: datetime | None) -> datetime | None:
+    """``value`` with UTC attached if naive (SQLite hands back naive datetimes; all are UTC)."""
     if value is not None and value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
     return value
@@ -48,7 +48,7 @@ class Run:
         data = row._mapping
         values = {f.name: data[f.name] for f in fields(cls)}
         for name in ("created_at", "started_at", "finished_at"):
-            values[name] = _aware(values[name])
+            values[name] = aware(values[name])
         return cls(**values)
 
 
@@ -74,5 +74,5 @@ class StepRecord:
         data = row._mapping
         values = {f.name: data[f.name] for f in fields(cls)}
         for name in ("started_at", "finished_at"):
-            values[name] = _aware(values[name])
+            values[name] = aware(values[name])
         return cls(**values)

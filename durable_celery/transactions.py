@@ -1,4 +1,8 @@
-"""Starting a run inside the caller's own SQLAlchemy transaction."""
+"""Starting a run inside the caller's own SQLAlchemy transaction.
+
+A duplicate never raises a database error here (the key row is taken with ON CONFLICT DO
+NOTHING), so the caller's transaction stays usable; a rollback removes the run and its key.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,12 @@ from sqlalchemy import Connection, event
 from sqlalchemy.orm import Session
 
 from .errors import InvalidArgument
+from .keys import decide_start_txn
 from .store import queries
 
 if TYPE_CHECKING:
     from .app import Durable
-    from .definition import Workflow
+    from .definition import SendEvent, Workflow
 
 
 def callers_connection(connection: Any) -> tuple[Connection, Session | None]:
@@ -28,30 +33,35 @@ def callers_connection(connection: Any) -> tuple[Connection, Session | None]:
     )
 
 
-def insert_in_callers_transaction(
-    durable: Durable, connection: Any, values: dict[str, Any], workflow: Workflow
-) -> None:
-    """Insert the run on the caller's connection; it is published only once they commit.
+def start_in_callers_transaction(
+    durable: Durable,
+    connection: Any,
+    workflow: Workflow,
+    run: dict[str, Any],
+    policy: str | SendEvent,
+) -> str:
+    """Decide the start on the caller's connection; messages go out only after their commit.
 
-    With a Session the message goes out from its ``after_commit`` hook. A bare Connection has no
-    after-commit hook, so the run is left unsent and the relay sends it once the commit is visible.
+    A Session publishes from its ``after_commit`` hook. A bare Connection has no such hook, so
+    the runs to send are flagged unsent and the relay sends them once the commit is visible.
     """
     conn, session = callers_connection(connection)
-    if conn.engine.url.render_as_string(hide_password=False) != durable.db.url and not _same_db(
-        conn, durable
-    ):
+    if not _same_database(conn, durable):
         raise InvalidArgument("connection= must be on the database Durable uses")
+    decision = decide_start_txn(durable, conn, workflow, run, policy)
+    error, decision.error = decision.error, None
     if session is not None:
-        values = {**values, "published": True}
-    queries.insert_run_txn(conn, values)
-    if session is not None:
+        event.listen(session, "after_commit", lambda _s: decision.after_commit(durable), once=True)
+    else:
+        if decision.publish:
+            queries.mark_unsent(conn, [dispatch[1] for dispatch in decision.publish])
+            decision.publish = []
+        decision.after_commit(durable)
+    if error is not None:
+        raise error
+    return decision.run_id
 
-        def publish(_session: Session) -> None:
-            durable.publish(workflow, 0, values["id"], 1, values["key"])
 
-        event.listen(session, "after_commit", publish, once=True)
-
-
-def _same_db(conn: Connection, durable: Durable) -> bool:
+def _same_database(conn: Connection, durable: Durable) -> bool:
     theirs, ours = conn.engine.url, durable.db.engine.url
     return (theirs.host, theirs.port, theirs.database) == (ours.host, ours.port, ours.database)

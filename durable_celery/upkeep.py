@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps
 
 from . import signals
-from .store import queries
+from .keys import settle_waiting_txn
+from .observe import ACTIVITY_KEPT
+from .store import activity_rows, key_rows, queries
+from .store.db import utcnow
 from .store.schema import runs
 
 if TYPE_CHECKING:
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("durable_celery")
 
 RELAY_BATCH = 500
+TRIM_INTERVAL = 3600.0
 
 
 def relay_once(durable: Durable) -> int:
@@ -49,24 +53,44 @@ def relay_once(durable: Durable) -> int:
 
 def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
     """Hand back runs whose worker vanished; fail those lost too often. Returns both lists."""
-    s = durable.settings
+    s, db = durable.settings, durable.db
     error = {
         "type": "WorkerLost",
         "message": f"the run's worker was lost {s.max_losses} times during one step",
         "traceback": None,
     }
-    with durable.db.begin() as conn:
-        handed_back, failed = queries.release_stale_locks_txn(
-            durable.db, conn, s.stale_lock_timeout, s.max_losses, error
-        )
+    handed_back: list[str] = []
+    failed: list[str] = []
+    with db.engine.connect() as conn:
+        stale = queries.stale_runs(db, conn, s.stale_lock_timeout, RELAY_BATCH)
+    for run in stale:
+        lost_for_good = run.losses + 1 >= s.max_losses
+        settled = None
+        with db.begin() as conn:
+            key_row = key_rows.key_of_holder_txn(conn, run.id) if lost_for_good and run.key else None
+            fail_with = error if lost_for_good else None
+            if not queries.take_back_stale_txn(db, conn, run, s.stale_lock_timeout, fail_with):
+                continue  # another node took it, or the worker came back
+            if lost_for_good:
+                settled = settle_waiting_txn(
+                    durable, conn, key_row, "failed", durable.workflows.get(run.workflow)
+                )
+        (failed if lost_for_good else handed_back).append(run.id)
+        if lost_for_good:
+            signals.run_finished.send(sender=durable, run_id=run.id, workflow=run.workflow, status="failed")
+        if settled is not None:
+            settled.after_commit(durable)
     if handed_back or failed:
         log.warning("durable: recovered %d stale run(s), failed %d", len(handed_back), len(failed))
         signals.stale_recovered.send(sender=durable, run_ids=handed_back, failed_ids=failed)
-    for run_id in failed:
-        signals.run_finished.send(sender=durable, run_id=run_id, workflow=None, status="failed")
-    if handed_back:
         relay_once(durable)
     return handed_back, failed
+
+
+def trim_activity_once(durable: Durable) -> int:
+    """Delete activity entries older than a week; returns how many."""
+    with durable.db.begin() as conn:
+        return activity_rows.trim_txn(conn, utcnow() - ACTIVITY_KEPT)
 
 
 class Upkeep:
@@ -93,11 +117,15 @@ class Upkeep:
     def _loop(self) -> None:
         s = self.durable.settings
         next_sweep = time.monotonic() + min(s.sweep_interval, s.stale_lock_timeout)
+        next_trim = time.monotonic()
         while not self._stop.wait(s.poll_interval):
             self._guarded(relay_once)
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + s.sweep_interval
                 self._guarded(sweep_stale_once)
+            if time.monotonic() >= next_trim:
+                next_trim = time.monotonic() + TRIM_INTERVAL
+                self._guarded(trim_activity_once)
 
     def _guarded(self, job: Any) -> None:
         try:

@@ -95,6 +95,9 @@ class Database:
             pool_size=self._pool_size,
             max_overflow=self._pool_size,
             pool_pre_ping=True,
+            # The key decision is written for READ COMMITTED: a blocked ON CONFLICT or FOR UPDATE
+            # sees the row the other transaction committed.
+            isolation_level="READ COMMITTED",
             pool_recycle=1800,
         )
 

@@ -11,9 +11,10 @@ from typing import Any
 from sqlalchemy import Connection, Row, and_, func, insert, or_, select, update
 
 from .db import Database
-from .schema import runs, steps
+from .schema import keys, runs, steps
 
-CLAIMABLE = ("pending", "running")
+# A waiting run is claimable once due: its timeout passed or its event came.
+CLAIMABLE = ("pending", "running", "waiting")
 
 # Columns a worker needs to run a step; returned by the claim itself, so a claim is one statement.
 _CLAIM_COLUMNS = (
@@ -27,7 +28,10 @@ _CLAIM_COLUMNS = (
     runs.c.fence,
     runs.c.parent_id,
     runs.c.losses,
+    runs.c.wait_name,
 )
+
+_HOLDS_KEY = select(keys.c.holder_id).where(keys.c.holder_id == runs.c.id).exists().label("holds_key")
 
 
 def insert_run_txn(conn: Connection, values: dict[str, Any]) -> None:
@@ -37,7 +41,7 @@ def insert_run_txn(conn: Connection, values: dict[str, Any]) -> None:
 
 def fetch_run(conn: Connection, run_id: str) -> Row[Any] | None:
     """One run row by id, or None."""
-    return conn.execute(select(runs).where(runs.c.id == run_id)).first()
+    return conn.execute(select(runs, _HOLDS_KEY).where(runs.c.id == run_id)).first()
 
 
 def fetch_runs(
@@ -49,7 +53,7 @@ def fetch_runs(
     limit: int = 100,
 ) -> Sequence[Any]:
     """Runs matching the filters, newest first."""
-    query = select(runs)
+    query = select(runs, _HOLDS_KEY)
     if workflow is not None:
         query = query.where(runs.c.workflow == workflow)
     if key is not None:
@@ -176,42 +180,48 @@ def mark_unsent(conn: Connection, run_ids: Sequence[str]) -> None:
     )
 
 
-def release_stale_locks_txn(
-    db: Database, conn: Connection, stale_after: float, max_losses: int, error: dict[str, Any]
-) -> tuple[list[str], list[str]]:
-    """Hand back runs whose worker stopped heart-beating; fail those lost ``max_losses`` times."""
-    cutoff = db.later(-stale_after)
-    stale = and_(runs.c.locked_by.is_not(None), runs.c.heartbeat_at < cutoff, runs.c.status == "running")
-    rows = conn.execute(select(runs.c.id, runs.c.losses).where(stale).with_for_update(skip_locked=True)).all()
-    lost_for_good = [r.id for r in rows if r.losses + 1 >= max_losses]
-    handed_back = [r.id for r in rows if r.losses + 1 < max_losses]
-    if handed_back:
-        conn.execute(
-            update(runs)
-            .where(runs.c.id.in_(handed_back))
-            .values(
-                locked_by=None,
-                heartbeat_at=None,
-                fence=runs.c.fence + 1,  # the lost worker is fenced out at once
-                losses=runs.c.losses + 1,
-                due_at=db.now(),
-                published=False,
-            )
+def stale_runs(db: Database, conn: Connection, stale_after: float, limit: int) -> Sequence[Any]:
+    """Runs locked by a worker that has not heart-beaten for ``stale_after`` seconds."""
+    query = (
+        select(runs.c.id, runs.c.workflow, runs.c.key, runs.c.fence, runs.c.losses)
+        .where(
+            runs.c.locked_by.is_not(None),
+            runs.c.heartbeat_at < db.later(-stale_after),
+            runs.c.status == "running",
         )
-    if lost_for_good:
-        conn.execute(
-            update(runs)
-            .where(runs.c.id.in_(lost_for_good))
-            .values(
-                locked_by=None,
-                heartbeat_at=None,
-                losses=runs.c.losses + 1,
-                status="failed",
-                error=error,
-                finished_at=db.now(),
-            )
+        .limit(limit)
+    )
+    return conn.execute(query).all()
+
+
+def take_back_stale_txn(
+    db: Database, conn: Connection, run: Any, stale_after: float, fail_with: dict[str, Any] | None
+) -> bool:
+    """Hand a stale run back (or fail it with ``fail_with``), fencing out the lost worker.
+
+    Conditional on the lock still being the stale one, so only one node wins.
+    """
+    values: dict[str, Any] = {
+        "locked_by": None,
+        "heartbeat_at": None,
+        "fence": runs.c.fence + 1,
+        "losses": runs.c.losses + 1,
+    }
+    if fail_with is None:
+        values.update(due_at=db.now(), published=False)
+    else:
+        values.update(status="failed", error=fail_with, finished_at=db.now(), due_at=None)
+    query = (
+        update(runs)
+        .where(
+            runs.c.id == run.id,
+            runs.c.fence == run.fence,
+            runs.c.locked_by.is_not(None),
+            runs.c.heartbeat_at < db.later(-stale_after),
         )
-    return handed_back, lost_for_good
+        .values(**values)
+    )
+    return bool(conn.execute(query).rowcount == 1)
 
 
 def run_status(conn: Connection, run_id: str) -> str | None:

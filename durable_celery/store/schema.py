@@ -44,8 +44,8 @@ runs = Table(
     Column("context", Json, nullable=False),
     Column("output", Json),
     Column("error", Json),
+    # The key the run was started with; whether it holds it is in durable_keys.
     Column("key", String(255)),
-    Column("holds_key", Boolean, nullable=False, server_default=text("false")),
     Column("runs_after_id", String(36)),
     Column("parent_id", String(36)),
     # Which step is next or running, and its attempt (1-based).
@@ -59,6 +59,11 @@ runs = Table(
     # says one was (or is about to be) sent after commit; the relay re-sends stale ones.
     Column("due_at", Timestamp),
     Column("published", Boolean, nullable=False, server_default=text("false")),
+    # A debounced run is never due later than this (the debounce timeout from its first start).
+    Column("not_after", Timestamp),
+    # The event the run waits for, and until when (waits park the run; see waits.py).
+    Column("wait_name", String(200)),
+    Column("wait_until", Timestamp),
     # How many times a worker lost the run (lock gone stale) during the current step.
     Column("losses", Integer, nullable=False, server_default=text("0")),
     Column("created_at", Timestamp, nullable=False),
@@ -108,4 +113,64 @@ steps = Table(
     Column("started_at", Timestamp, nullable=False),
     Column("finished_at", Timestamp, nullable=False),
     Index("ux_durable_steps_run_step_attempt", "run_id", "step_index", "attempt", unique=True),
+)
+
+# One row per held key: the unique primary key is what lets at most one run hold a key.
+# Deleting the holder deletes the row, so a pruned holder's key is free again.
+keys = Table(
+    "durable_keys",
+    metadata,
+    Column("workflow", String(200), primary_key=True),
+    Column("key", String(255), primary_key=True),
+    Column(
+        "holder_id",
+        String(36),
+        ForeignKey("durable_runs.id", ondelete="CASCADE", deferrable=True, initially="DEFERRED"),
+        nullable=False,
+    ),
+    # The one run_again run waiting behind the holder, without the key.
+    Column(
+        "waiting_id",
+        String(36),
+        ForeignKey("durable_runs.id", ondelete="SET NULL", deferrable=True, initially="DEFERRED"),
+    ),
+    Column("taken_at", Timestamp, nullable=False),
+    Index("ux_durable_keys_holder", "holder_id", unique=True),
+)
+
+# What happened, for people: key decisions and other notable moments, kept for a week.
+activity = Table(
+    "durable_activity",
+    metadata,
+    Column("id", AutoId, primary_key=True, autoincrement=True),
+    Column("kind", String(40), nullable=False),
+    Column("run_id", String(36)),
+    Column("workflow", String(200)),
+    Column("key", String(255)),
+    Column("details", Json, nullable=False),
+    Column("at", Timestamp, nullable=False),
+    Index("ix_durable_activity_at", "at"),
+    Index("ix_durable_activity_run", "run_id"),
+    Index("ix_durable_activity_kind_at", "kind", "at"),
+    Index("ix_durable_activity_workflow_key", "workflow", "key"),
+)
+
+# Events sent to runs. A run gets one event per name: the row marked `received`; later ones
+# are kept and never read. A wait that timed out is recorded as a received row too.
+events = Table(
+    "durable_events",
+    metadata,
+    Column("id", AutoId, primary_key=True, autoincrement=True),
+    Column(
+        "run_id",
+        String(36),
+        ForeignKey("durable_runs.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("name", String(200), nullable=False),
+    Column("payload", Json),
+    Column("received", Boolean, nullable=False, server_default=text("false")),
+    Column("timed_out", Boolean, nullable=False, server_default=text("false")),
+    Column("created_at", Timestamp, nullable=False),
+    Index("ix_durable_events_run_name", "run_id", "name"),
 )

@@ -1,0 +1,140 @@
+"""Run control: cancel, retry, rerun, release a key, send an event."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import update
+
+from . import signals
+from .errors import InvalidArgument, KeyContended, KeyTaken, NoKey, NotFinished, RunNotFound
+from .keys import MAX_HANDS, Decision, reuse_frees, settle_waiting_txn
+from .store import activity_rows, event_rows, key_rows, queries
+from .store.schema import FINISHED, UNFINISHED, runs
+from .waits import check_event
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+    from .app import Durable
+    from .definition import Workflow
+
+CANCELLABLE = ("pending", "running", "waiting")  # a compensating run finishes what it started
+
+
+def _run(conn: Connection, run_id: Any) -> Any:
+    row = queries.fetch_run(conn, run_id) if isinstance(run_id, str) else None
+    if row is None:
+        raise RunNotFound(run_id)
+    return row
+
+
+def cancel(durable: Durable, run_id: str) -> bool:
+    """Cancel an unfinished run; False if it had finished (or is compensating)."""
+    db = durable.db
+    with db.begin() as conn:
+        run = _run(conn, run_id)
+        if run.status not in CANCELLABLE:
+            return False
+        key_row = key_rows.key_of_holder_txn(conn, run_id) if run.key else None
+        if run.key and run.runs_after_id:
+            key_rows.forget_waiting_txn(conn, run_id)
+        error = {"type": "Cancelled", "message": "cancelled", "traceback": None}
+        if queries.cancel_run_txn(db, conn, run_id, error, CANCELLABLE) is None:
+            return False
+        settled = settle_waiting_txn(durable, conn, key_row, "cancelled", durable.workflows.get(run.workflow))
+    signals.run_finished.send(sender=durable, run_id=run_id, workflow=run.workflow, status="cancelled")
+    if settled is not None:
+        settled.after_commit(durable)
+    return True
+
+
+def retry(durable: Durable, run_id: str) -> str:
+    """Resume a failed run from its failed step, taking its key back if it lost it."""
+    db = durable.db
+    with db.begin() as conn:
+        run = _run(conn, run_id)
+        if run.status in UNFINISHED:
+            raise NotFinished(f"run {run_id} is {run.status}")
+        if run.status != "failed":
+            raise InvalidArgument(f"only failed runs can be retried; run {run_id} is {run.status}")
+        workflow = durable._resolve(run.workflow)
+        if run.key is not None:
+            _retake_key_txn(durable, conn, workflow, run)
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status == "failed")
+            .values(
+                status="running" if run.started_at else "pending",
+                attempt=1,
+                losses=0,
+                error=None,
+                finished_at=None,
+                due_at=db.now(),
+                published=True,
+            )
+        )
+    durable.publish(workflow, run.step_index, run_id, 1, run.key)
+    return run_id
+
+
+def _retake_key_txn(durable: Durable, conn: Connection, workflow: Workflow, run: Any) -> None:
+    db, name = durable.db, workflow.name or ""
+    for _ in range(MAX_HANDS):
+        holder = key_rows.lock_key_txn(conn, name, run.key)
+        if holder is None:
+            if not key_rows.claim_key_txn(db, conn, name, run.key, run.id):
+                continue
+        elif holder.holder_id == run.id:
+            return
+        elif reuse_frees(workflow.reuse, holder.status):
+            key_rows.hand_key_txn(db, conn, name, run.key, run.id, None)
+        else:
+            raise KeyTaken(holder.holder_id)
+        previous = holder.holder_id if holder is not None else None
+        activity_rows.record_txn(db, conn, "key_retaken", run.id, name, run.key, {"from": previous})
+        return
+    raise KeyContended(f"key {run.key!r} of {name!r} changed hands {MAX_HANDS} times")
+
+
+def rerun(durable: Durable, run_id: str) -> str:
+    """Start a fresh copy of a finished run (same input and key); KeyTaken if the key is held."""
+    with durable.db.engine.connect() as conn:
+        run = _run(conn, run_id)
+    if run.status not in FINISHED:
+        raise NotFinished(f"run {run_id} is {run.status}")
+    return durable.start(run.workflow, run.input, key=run.key, on_duplicate="error")
+
+
+def release_key(durable: Durable, run_id: str, by: str | None = None) -> None:
+    """Free a finished run's key; the run keeps its history and its ``key``."""
+    db = durable.db
+    with db.begin() as conn:
+        run = _run(conn, run_id)
+        if run.status not in FINISHED:
+            raise NotFinished(f"run {run_id} is {run.status}: cancel it first")
+        if run.key is None or not key_rows.release_key_txn(conn, run_id):
+            raise NoKey(f"run {run_id} holds no key")
+        activity_rows.record_txn(db, conn, "key_released", run_id, run.workflow, run.key, {"by": by})
+    signals.key_release.send(sender=durable, run_id=run_id, workflow=run.workflow, key=run.key, by=by)
+
+
+def send_event(durable: Durable, run_id: str, name: str, payload: Any = None, buffer: bool = False) -> bool:
+    """Deliver an event; True if a waiting run got it or it was kept (``buffer=True``)."""
+    check_event(name, payload)
+    db = durable.db
+    with db.begin() as conn:
+        run = _run(conn, run_id)
+        if run.status in FINISHED:
+            return False
+        if buffer:
+            event_rows.insert_event_txn(db, conn, run_id, name, payload)
+            woken = event_rows.wake_if_waiting_txn(db, conn, run_id, name)
+        else:
+            woken = event_rows.wake_if_waiting_txn(db, conn, run_id, name)
+            if woken is None:
+                return False
+            event_rows.insert_event_txn(db, conn, run_id, name, payload)
+    if woken is not None:
+        Decision(run_id, publish=[tuple(woken)]).after_commit(durable)  # type: ignore[list-item]
+    return True

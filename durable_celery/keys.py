@@ -1,0 +1,311 @@
+"""The key decision: who holds a workflow key, and what a start with a held key gets.
+
+Everything here runs inside one transaction and follows one lock order, so two transactions
+never wait on each other in a circle: **the key row first, then run rows**.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, case, update
+
+from . import signals
+from .definition import SendEvent, Workflow
+from .errors import DurableError, KeyContended, KeyTaken
+from .store import activity_rows, event_rows, key_rows, queries
+from .store.schema import UNFINISHED, runs
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+MAX_HANDS = 3
+# (workflow, run id, step index, attempt, key): a message to send once committed.
+Dispatch = tuple[str, str, int, int, "str | None"]
+FAILED_LIKE = ("failed", "cancelled", "compensated", "compensation_failed")
+
+
+def reuse_frees(reuse: str, holder_status: str) -> bool:
+    """Does ``reuse`` let a new run take the key from a holder in this status?"""
+    if holder_status in UNFINISHED or reuse == "never":
+        return False
+    return reuse == "after_close" or holder_status in FAILED_LIKE
+
+
+@dataclass
+class Decision:
+    """What a start came to: the id it returns and what to do once the transaction commits."""
+
+    run_id: str
+    created: bool = False
+    publish: list[Dispatch] = field(default_factory=list)
+    error: DurableError | None = None
+    notices: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
+
+    def after_commit(self, durable: Durable) -> None:
+        """Publish, send signals, then raise the refusal if there was one."""
+        for workflow, run_id, step_index, attempt, key in self.publish:
+            durable.publish_named(workflow, run_id, step_index, attempt, key)
+        for signal, kwargs in self.notices:
+            signal.send(sender=durable, **kwargs)
+        if self.error is not None:
+            raise self.error
+
+
+class KeyDecision:
+    """One keyed start inside a transaction (``conn``)."""
+
+    def __init__(
+        self,
+        durable: Durable,
+        conn: Connection,
+        workflow: Workflow,
+        run: dict[str, Any],
+        policy: str | SendEvent,
+    ) -> None:
+        self.durable, self.db, self.conn = durable, durable.db, conn
+        self.workflow, self.run, self.policy = workflow, run, policy
+        self.name: str = workflow.name or ""
+        self.key: str = run["key"]
+
+    def decide(self) -> Decision:
+        """Take the key, or answer from its holder by reuse, debounce and on_duplicate."""
+        for _ in range(MAX_HANDS):
+            if key_rows.claim_key_txn(self.db, self.conn, self.name, self.key, self.run["id"]):
+                return self._insert_new()
+            holder = key_rows.lock_key_txn(self.conn, self.name, self.key)
+            if holder is not None:
+                return self._duplicate(holder)
+        raise KeyContended(f"key {self.key!r} of {self.name!r} changed hands {MAX_HANDS} times")
+
+    # -- outcomes ---------------------------------------------------------------------------
+
+    def _insert_new(self, **changes: Any) -> Decision:
+        run = {**self.run, **changes}
+        queries.insert_run_txn(self.conn, run)
+        publish: list[Dispatch] = [(self.name, run["id"], 0, 1, self.key)] if run["published"] else []
+        return Decision(run["id"], created=True, publish=publish)
+
+    def _duplicate(self, holder: Any) -> Decision:
+        if holder.status not in UNFINISHED:
+            if reuse_frees(self.workflow.reuse, holder.status):
+                return self._hand_off(holder, "key_handed_off")
+            if self.policy == "use_existing":
+                return self._answer(holder, "use_existing")
+            return self._refuse(holder)
+        unclaimed = holder.status == "pending" and holder.started_at is None
+        if self.workflow.debounce and unclaimed and self._take_input(holder, debounce=True):
+            return self._answer(holder, "debounced")
+        if isinstance(self.policy, SendEvent):
+            return self._send_event(holder, self.policy.name)
+        if self.policy == "use_existing":
+            return self._answer(holder, "use_existing")
+        if self.policy == "cancel_existing":
+            if holder.status == "compensating":
+                return self._refuse(holder)
+            return self._hand_off(holder, "key_duplicate")
+        if self.policy == "run_again":
+            return self._run_again(holder, unclaimed)
+        return self._refuse(holder)
+
+    def _answer(self, holder: Any, outcome: str, **details: Any) -> Decision:
+        self._record_duplicate(holder, outcome, **details)
+        return Decision(holder.holder_id, notices=[self._dup_notice(holder, outcome)])
+
+    def _refuse(self, holder: Any) -> Decision:
+        self._record_duplicate(holder, "error")
+        return Decision(
+            holder.holder_id,
+            error=KeyTaken(holder.holder_id),
+            notices=[self._dup_notice(holder, "error")],
+        )
+
+    def _hand_off(self, holder: Any, kind: str) -> Decision:
+        """The new run takes the key from a finished holder, or replaces an unfinished one."""
+        new_id = self.run["id"]
+        decision = self._insert_new()
+        if holder.status in UNFINISHED:  # cancel_existing
+            reason = {
+                "type": "Cancelled",
+                "message": f"replaced by run {new_id}",
+                "replaced_by": new_id,
+                "traceback": None,
+            }
+            queries.cancel_run_txn(self.db, self.conn, holder.holder_id, reason, UNFINISHED)
+            if holder.waiting_id:
+                queries.cancel_run_txn(self.db, self.conn, holder.waiting_id, reason, UNFINISHED)
+            self._record_duplicate(holder, "cancel_existing", replaced_by=new_id)
+            decision.notices.append(self._dup_notice(holder, "cancel_existing"))
+            decision.notices.append(
+                (
+                    signals.run_finished,
+                    {"run_id": holder.holder_id, "workflow": self.name, "status": "cancelled"},
+                )
+            )
+        key_rows.hand_key_txn(self.db, self.conn, self.name, self.key, new_id, None)
+        activity_rows.record_txn(
+            self.db,
+            self.conn,
+            "key_handed_off",
+            new_id,
+            self.name,
+            self.key,
+            {"from": holder.holder_id, "from_status": holder.status},
+        )
+        decision.notices.append(
+            (
+                signals.key_handoff,
+                {"run_id": new_id, "workflow": self.name, "key": self.key, "previous_id": holder.holder_id},
+            )
+        )
+        return decision
+
+    def _run_again(self, holder: Any, unclaimed: bool) -> Decision:
+        if unclaimed and self._take_input(holder, debounce=False):
+            return self._answer(holder, "run_again")
+        if holder.waiting_id is not None:
+            self.conn.execute(
+                update(runs).where(runs.c.id == holder.waiting_id).values(input=self.run["input"])
+            )
+            decision = self._answer(holder, "run_again", runs_after=holder.waiting_id)
+            decision.run_id = holder.waiting_id
+            return decision
+        waiting = self._insert_new(
+            status="waiting", due_at=None, published=False, runs_after_id=holder.holder_id
+        )
+        key_rows.set_waiting_txn(self.conn, self.name, self.key, waiting.run_id)
+        self._record_duplicate(holder, "run_again", runs_after=waiting.run_id)
+        waiting.notices.append(self._dup_notice(holder, "run_again"))
+        return waiting
+
+    def _send_event(self, holder: Any, name: str) -> Decision:
+        event_rows.insert_event_txn(self.db, self.conn, holder.holder_id, name, self.run["input"])
+        woken = event_rows.wake_if_waiting_txn(self.db, self.conn, holder.holder_id, name)
+        decision = self._answer(holder, "send_event", event=name)
+        if woken is not None:
+            decision.publish.append(tuple(woken))  # type: ignore[arg-type]
+        return decision
+
+    def _take_input(self, holder: Any, *, debounce: bool) -> bool:
+        """Give an unclaimed holder the newer input (restarting a debounce); False if claimed."""
+        values: dict[str, Any] = {"input": self.run["input"]}
+        if debounce:
+            assert self.workflow.debounce is not None
+            wanted = self.db.later(self.workflow.debounce["period"])
+            values["due_at"] = case(
+                (runs.c.not_after.is_not(None) & (runs.c.not_after < wanted), runs.c.not_after),
+                else_=wanted,
+            )
+            values["published"] = False
+        query = (
+            update(runs)
+            .where(runs.c.id == holder.holder_id, runs.c.status == "pending", runs.c.started_at.is_(None))
+            .values(**values)
+        )
+        return bool(self.conn.execute(query).rowcount == 1)
+
+    # -- records ----------------------------------------------------------------------------
+
+    def _record_duplicate(self, holder: Any, outcome: str, **details: Any) -> None:
+        policy = self.policy if isinstance(self.policy, str) else f"send_event:{self.policy.name}"
+        activity_rows.record_txn(
+            self.db,
+            self.conn,
+            "key_duplicate",
+            holder.holder_id,
+            self.name,
+            self.key,
+            {
+                "outcome": outcome,
+                "policy": policy,
+                "input_changed": holder.input != self.run["input"],
+                "input": self.run["input"],
+                "holder_status": holder.status,
+                **details,
+            },
+        )
+
+    def _dup_notice(self, holder: Any, outcome: str) -> tuple[Any, dict[str, Any]]:
+        return (
+            signals.key_duplicate,
+            {"run_id": holder.holder_id, "workflow": self.name, "key": self.key, "outcome": outcome},
+        )
+
+
+def settle_waiting_txn(
+    durable: Durable, conn: Connection, key_row: Any, status: str, workflow: Workflow | None
+) -> Decision | None:
+    """The holder of ``key_row`` just finished: the run waiting behind it takes the key, or is
+    cancelled when ``reuse`` keeps it. The caller locked ``key_row`` before the holder's row."""
+    if key_row is None or key_row.waiting_id is None:
+        return None
+    db, waiting_id = durable.db, key_row.waiting_id
+    reuse = workflow.reuse if workflow is not None else "after_close"
+    if reuse_frees(reuse, status):
+        key_rows.hand_key_txn(db, conn, key_row.workflow, key_row.key, waiting_id, None)
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == waiting_id, runs.c.status == "waiting")
+            .values(status="pending", due_at=db.now(), published=True)
+        )
+        activity_rows.record_txn(
+            db,
+            conn,
+            "key_handed_off",
+            waiting_id,
+            key_row.workflow,
+            key_row.key,
+            {"from": key_row.holder_id, "from_status": status},
+        )
+        dispatch = (key_row.workflow, waiting_id, 0, 1, key_row.key)
+        return Decision(
+            waiting_id,
+            publish=[dispatch],
+            notices=[
+                (
+                    signals.key_handoff,
+                    {
+                        "run_id": waiting_id,
+                        "workflow": key_row.workflow,
+                        "key": key_row.key,
+                        "previous_id": key_row.holder_id,
+                    },
+                )
+            ],
+        )
+    reason = {
+        "type": "Cancelled",
+        "traceback": None,
+        "message": f"run {key_row.holder_id} {status} and reuse={reuse!r} keeps the key",
+    }
+    queries.cancel_run_txn(db, conn, waiting_id, reason, UNFINISHED)
+    key_rows.set_waiting_txn(conn, key_row.workflow, key_row.key, None)
+    return Decision(
+        waiting_id,
+        notices=[
+            (
+                signals.run_finished,
+                {"run_id": waiting_id, "workflow": key_row.workflow, "status": "cancelled"},
+            )
+        ],
+    )
+
+
+def decide_start_txn(
+    durable: Durable, conn: Connection, workflow: Workflow, run: dict[str, Any], policy: str | SendEvent
+) -> Decision:
+    """Insert a new run, or answer from the holder of its key; the caller commits."""
+    if run["key"] is None:
+        queries.insert_run_txn(conn, run)
+        decision = Decision(run["id"], created=True)
+        if run["published"]:
+            decision.publish.append((workflow.name or "", run["id"], 0, 1, None))
+    else:
+        decision = KeyDecision(durable, conn, workflow, run, policy).decide()
+    if decision.created:
+        decision.notices.insert(
+            0,
+            (signals.run_started, {"run_id": decision.run_id, "workflow": workflow.name, "key": run["key"]}),
+        )
+    return decision

@@ -1,0 +1,132 @@
+"""Watching: activity entries, the key list and key statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select
+
+from .errors import InvalidArgument
+from .models import aware
+from .store import activity_rows, key_rows
+from .store.db import utcnow
+from .store.schema import keys
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+ACTIVITY_KEPT = timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """One thing that happened: ``kind``, on which run, with ``details``."""
+
+    id: int
+    kind: str
+    run_id: str | None
+    workflow: str | None
+    details: dict[str, Any]
+    at: datetime
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """A held key: its holder, how many runs used it, re-adds in the last day."""
+
+    workflow: str
+    key: str
+    holder_id: str
+    holder_status: str
+    waiting_id: str | None
+    runs: int
+    readds_last_day: int
+
+
+def _check_limit(limit: Any) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidArgument(f"limit must be a positive int, not {limit!r}")
+    return limit
+
+
+def list_activity(
+    durable: Durable,
+    kinds: Any = None,
+    run_id: str | None = None,
+    workflow: str | None = None,
+    limit: int = 100,
+) -> list[Activity]:
+    """Activity entries, newest first."""
+    if isinstance(kinds, str):
+        kinds = [kinds]
+    with durable.db.engine.connect() as conn:
+        rows = activity_rows.list_activity(conn, kinds, run_id, workflow, _check_limit(limit))
+    return [Activity(r.id, r.kind, r.run_id, r.workflow, r.details, aware(r.at) or r.at) for r in rows]
+
+
+def list_keys(durable: Durable, workflow: str | None = None, limit: int = 1000) -> list[KeyEntry]:
+    """Held keys with their holder, runs per key and re-adds in the last day."""
+    since = utcnow() - timedelta(days=1)
+    with durable.db.engine.connect() as conn:
+        held = key_rows.list_keys(conn, workflow, _check_limit(limit))
+        pairs = [(r.workflow, r.key) for r in held]
+        used = activity_rows.runs_per_key(conn, workflow, pairs)
+        readds = {
+            (r.workflow, r.key): r.n
+            for r in activity_rows.counts_by_key(conn, "key_duplicate", workflow, since, None)
+        }
+    return [
+        KeyEntry(
+            r.workflow,
+            r.key,
+            r.holder_id,
+            r.status,
+            r.waiting_id,
+            used.get((r.workflow, r.key), 0),
+            readds.get((r.workflow, r.key), 0),
+        )
+        for r in held
+    ]
+
+
+class Stats:
+    """Aggregates for dashboards and alerts: ``durable.stats.keys(workflow=...)``."""
+
+    def __init__(self, durable: Durable) -> None:
+        self.durable = durable
+
+    def keys(self, workflow: str | None = None) -> dict[str, Any]:
+        """Keys held, re-adds by outcome, dropped inputs, hand-offs, re-adds per hour of the
+        last day, and the keys re-added most (over the week activity is kept)."""
+        now = utcnow()
+        with self.durable.db.engine.connect() as conn:
+            held = select(func.count()).select_from(keys)
+            if workflow is not None:
+                held = held.where(keys.c.workflow == workflow)
+            keys_held = int(conn.execute(held).scalar() or 0)
+            entries = activity_rows.key_activity(conn, workflow, now - ACTIVITY_KEPT)
+            top = activity_rows.counts_by_key(conn, "key_duplicate", workflow, now - ACTIVITY_KEPT, 10)
+        duplicates = [e for e in entries if e.kind == "key_duplicate"]
+        per_hour = Counter(
+            aware(e.at).replace(minute=0, second=0, microsecond=0)  # type: ignore[union-attr]
+            for e in duplicates
+            if aware(e.at) >= now - timedelta(days=1)  # type: ignore[operator]
+        )
+        return {
+            "keys_held": keys_held,
+            "readds": sum(1 for _ in duplicates),
+            "readds_by_outcome": dict(Counter(e.details.get("outcome") for e in duplicates)),
+            "dropped_inputs": sum(
+                1
+                for e in duplicates
+                if e.details.get("outcome") in ("use_existing", "error") and e.details.get("input_changed")
+            ),
+            "handoffs": sum(1 for e in entries if e.kind == "key_handed_off"),
+            "releases": sum(1 for e in entries if e.kind == "key_released"),
+            "retakes": sum(1 for e in entries if e.kind == "key_retaken"),
+            "readds_over_time": [{"hour": h, "count": n} for h, n in sorted(per_hour.items())],
+            "top_keys": [{"workflow": r.workflow, "key": r.key, "readds": r.n} for r in top],
+        }

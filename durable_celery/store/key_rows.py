@@ -1,0 +1,100 @@
+"""Statements on durable_keys: claiming, locking, handing over and releasing a key."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, delete, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from .db import Database
+from .schema import keys, runs
+
+
+def claim_key_txn(db: Database, conn: Connection, workflow: str, key: str, run_id: str) -> bool:
+    """Insert the key row naming ``run_id`` as holder; False if the key already has a row."""
+    dialect_insert = postgresql.insert if db.is_postgres else sqlite.insert
+    query = (
+        dialect_insert(keys)
+        .values(workflow=workflow, key=key, holder_id=run_id, taken_at=db.now())
+        .on_conflict_do_nothing(index_elements=["workflow", "key"])
+        .returning(keys.c.holder_id)
+    )
+    return conn.execute(query).first() is not None
+
+
+def lock_key_txn(conn: Connection, workflow: str, key: str) -> Any:
+    """Lock a key row and read its holder (and waiting run); None when the row is gone."""
+    holder = runs.alias("holder")
+    query = (
+        select(
+            keys.c.holder_id,
+            keys.c.waiting_id,
+            holder.c.status,
+            holder.c.started_at,
+            holder.c.input,
+            holder.c.not_after,
+        )
+        .join(holder, holder.c.id == keys.c.holder_id)
+        .where(keys.c.workflow == workflow, keys.c.key == key)
+        .with_for_update(of=keys)
+    )
+    return conn.execute(query).first()
+
+
+def hand_key_txn(
+    db: Database, conn: Connection, workflow: str, key: str, new_holder: str, waiting_id: str | None
+) -> None:
+    """Give the key to ``new_holder`` (and set who waits behind it)."""
+    conn.execute(
+        update(keys)
+        .where(keys.c.workflow == workflow, keys.c.key == key)
+        .values(holder_id=new_holder, waiting_id=waiting_id, taken_at=db.now())
+    )
+
+
+def set_waiting_txn(conn: Connection, workflow: str, key: str, waiting_id: str | None) -> None:
+    """Record the run waiting behind the holder (or none)."""
+    conn.execute(
+        update(keys).where(keys.c.workflow == workflow, keys.c.key == key).values(waiting_id=waiting_id)
+    )
+
+
+def waiting_behind_txn(conn: Connection, holder_ids: Sequence[str]) -> Sequence[Any]:
+    """Lock the key rows of holders that have a run waiting behind them."""
+    query = (
+        select(keys.c.workflow, keys.c.key, keys.c.holder_id, keys.c.waiting_id)
+        .where(keys.c.holder_id.in_(list(holder_ids)), keys.c.waiting_id.is_not(None))
+        .with_for_update()
+    )
+    return conn.execute(query).all()
+
+
+def forget_waiting_txn(conn: Connection, run_id: str) -> None:
+    """A waiting run that was cancelled no longer waits behind anyone."""
+    conn.execute(update(keys).where(keys.c.waiting_id == run_id).values(waiting_id=None))
+
+
+def key_of_holder_txn(conn: Connection, run_id: str) -> Any:
+    """The key row ``run_id`` holds, locked; None if it holds none."""
+    query = select(keys).where(keys.c.holder_id == run_id).with_for_update()
+    return conn.execute(query).first()
+
+
+def release_key_txn(conn: Connection, run_id: str) -> bool:
+    """Delete the key row held by ``run_id``; False if it held none."""
+    return conn.execute(delete(keys).where(keys.c.holder_id == run_id)).rowcount == 1
+
+
+def list_keys(conn: Connection, workflow: str | None, limit: int) -> Sequence[Any]:
+    """Held keys with their holder's status, newest first."""
+    query = (
+        select(keys.c.workflow, keys.c.key, keys.c.holder_id, runs.c.status, keys.c.waiting_id)
+        .join(runs, runs.c.id == keys.c.holder_id)
+        .order_by(keys.c.taken_at.desc())
+        .limit(limit)
+    )
+    if workflow is not None:
+        query = query.where(keys.c.workflow == workflow)
+    return conn.execute(query).all()
