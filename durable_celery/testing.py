@@ -48,11 +48,12 @@ def worker(
 
 
 def _wake(durable: Durable, queues: list[str] | None) -> None:
-    # Transports without push (memory, filesystem) poll with a 2 s timeout; a message makes the
-    # consumer loop turn at once and notice the stop.
+    # Transports without push (memory, filesystem) poll with a 2 s timeout, and the consumer
+    # loop drains once more after it notices the stop: two messages end both waits at once.
     if durable.app.conf.broker_url.split(":", 1)[0] in ("memory", "filesystem"):
         for queue in queues or [durable.app.conf.task_default_queue]:
-            durable.app.send_task(WAKE_TASK, queue=queue, ignore_result=True)
+            for _ in range(2):
+                durable.app.send_task(WAKE_TASK, queue=queue, ignore_result=True)
 
 
 def _noop() -> None:
