@@ -61,11 +61,12 @@ def runs(
         for run in found:
             click.echo(json.dumps(_run_dict(run), default=str))
         return
-    click.echo(f"{'id':36}  {'workflow':20}  {'status':12}  {'step':>4}  {'key':24}  created")
+    click.echo(f"{'id':36}  {'workflow':20}  {'status':12}  {'step':>4}  {'key':24}  {'holds':5}  created")
     for run in found:
         click.echo(
             f"{run.id:36}  {run.workflow[:20]:20}  {run.status:12}  {run.step_index:>4}  "
-            f"{(run.key or '-')[:24]:24}  {run.created_at:%Y-%m-%d %H:%M:%S}"
+            f"{(run.key or '-')[:24]:24}  {'yes' if run.holds_key else '-':5}  "
+            f"{run.created_at:%Y-%m-%d %H:%M:%S}"
         )
 
 
@@ -91,6 +92,64 @@ def cancel(ctx: click.Context, run_ids: tuple[str, ...]) -> None:
     for run_id in run_ids:
         done = _or_fail(d.cancel, run_id)
         click.echo(f"{run_id}: {'cancelled' if done else 'already finished'}")
+
+
+@durable.command()
+@click.option("--workflow", "-w", help="Only keys of this workflow.")
+@click.option("--limit", "-n", default=50, show_default=True, help="At most this many keys.")
+@click.pass_context
+def keys(ctx: click.Context, workflow: str | None, limit: int) -> None:
+    """The key report: held keys, their holders, re-adds and hand-offs."""
+    d = durable_of(ctx)
+    stats = d.stats.keys(workflow=workflow)
+    click.echo(
+        f"keys held: {stats['keys_held']}   re-adds (7 days): {stats['readds']}   "
+        f"dropped inputs: {stats['dropped_inputs']}   hand-offs: {stats['handoffs']}   "
+        f"released: {stats['releases']}   retaken: {stats['retakes']}"
+    )
+    if stats["readds_by_outcome"]:
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats["readds_by_outcome"].items()))
+        click.echo(f"re-adds by outcome: {outcomes}")
+    if stats["top_keys"]:
+        click.echo(
+            "most re-added: "
+            + ", ".join(f"{t['workflow']}/{t['key']} ({t['readds']})" for t in stats["top_keys"])
+        )
+    click.echo("")
+    click.echo(f"{'workflow':20}  {'key':32}  {'holder':36}  {'status':12}  {'runs':>4}  {'re-adds 24h':>11}")
+    for entry in d.list_keys(workflow=workflow, limit=limit):
+        click.echo(
+            f"{entry.workflow[:20]:20}  {entry.key[:32]:32}  {entry.holder_id:36}  "
+            f"{entry.holder_status:12}  {entry.runs:>4}  {entry.readds_last_day:>11}"
+        )
+
+
+@durable.command(name="release-key")
+@click.argument("run_id")
+@click.option("--by", help="Who releases it (recorded in activity).")
+@click.pass_context
+def release_key(ctx: click.Context, run_id: str, by: str | None) -> None:
+    """Free a finished run's key so a new start can take it."""
+    _or_fail(durable_of(ctx).release_key, run_id, by)
+    click.echo(f"{run_id}: key released")
+
+
+@durable.command()
+@click.argument("run_id")
+@click.pass_context
+def retry(ctx: click.Context, run_id: str) -> None:
+    """Resume a failed run from its failed step."""
+    _or_fail(durable_of(ctx).retry, run_id)
+    click.echo(f"{run_id}: retrying")
+
+
+@durable.command()
+@click.argument("run_id")
+@click.pass_context
+def rerun(ctx: click.Context, run_id: str) -> None:
+    """Start a fresh copy of a finished run, with its input and key."""
+    new_id = _or_fail(durable_of(ctx).rerun, run_id)
+    click.echo(f"{run_id}: rerun as {new_id}")
 
 
 @durable.command()

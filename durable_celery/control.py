@@ -66,7 +66,8 @@ def retry(durable: Durable, run_id: str) -> str:
             .where(runs.c.id == run_id, runs.c.status == "failed")
             .values(
                 status="running" if run.started_at else "pending",
-                attempt=1,
+                attempt=run.attempt + 1,
+                attempt_base=run.attempt,
                 losses=0,
                 error=None,
                 finished_at=None,
@@ -74,7 +75,7 @@ def retry(durable: Durable, run_id: str) -> str:
                 published=True,
             )
         )
-    durable.publish(workflow, run.step_index, run_id, 1, run.key)
+    durable.publish(workflow, run.step_index, run_id, run.attempt + 1, run.key)
     return run_id
 
 

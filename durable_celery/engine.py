@@ -325,7 +325,7 @@ class Engine:
                 "published": True,
             }
             return values, "running"
-        if row.attempt < step.retry:
+        if row.attempt - row.attempt_base < step.retry:
             delay = self.durable.backoff(step, row.attempt)
             values = {
                 "attempt": row.attempt + 1,

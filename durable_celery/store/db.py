@@ -40,9 +40,10 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def _sqlite_begin_immediate(conn: Connection) -> None:
-    # Take the write lock at BEGIN, so two writers queue on busy_timeout instead of deadlocking.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+def _sqlite_begin(conn: Connection) -> None:
+    # A write transaction takes the write lock at BEGIN, so two writers queue on the busy
+    # timeout instead of failing mid-way; reads begin deferred and never wait on a writer (WAL).
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.pop("write", False) else "BEGIN")
 
 
 class Database:
@@ -87,7 +88,7 @@ class Database:
             def _no_pysqlite_begin(dbapi_conn: Any, _record: Any) -> None:
                 dbapi_conn.isolation_level = None
 
-            event.listen(engine, "begin", _sqlite_begin_immediate)
+            event.listen(engine, "begin", _sqlite_begin)
             return engine
         return create_engine(
             self.url,
@@ -109,9 +110,11 @@ class Database:
 
     @contextmanager
     def begin(self) -> Iterator[Connection]:
-        """A connection in a transaction that commits on success and rolls back on error."""
-        with self.engine.begin() as conn:
-            yield conn
+        """A write transaction that commits on success and rolls back on error."""
+        with self.engine.connect() as conn:
+            conn.info["write"] = self.is_sqlite
+            with conn.begin():
+                yield conn
 
     def now(self) -> Any:
         """The database's clock as a SQL expression (PostgreSQL), or this host's (SQLite)."""

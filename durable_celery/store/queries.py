@@ -25,6 +25,7 @@ _CLAIM_COLUMNS = (
     runs.c.key,
     runs.c.step_index,
     runs.c.attempt,
+    runs.c.attempt_base,
     runs.c.fence,
     runs.c.parent_id,
     runs.c.losses,

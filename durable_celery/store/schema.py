@@ -51,6 +51,8 @@ runs = Table(
     # Which step is next or running, and its attempt (1-based).
     Column("step_index", Integer, nullable=False, server_default=text("0")),
     Column("attempt", Integer, nullable=False, server_default=text("1")),
+    # Attempts before this count toward an earlier round: a manual retry starts a new round.
+    Column("attempt_base", Integer, nullable=False, server_default=text("0")),
     # Bumped by every claim; a worker may only record a result under the token it claimed with.
     Column("fence", Integer, nullable=False, server_default=text("0")),
     Column("locked_by", String(255)),

@@ -67,6 +67,7 @@ def upgrade() -> None:
         sa.Column("parent_id", sa.String(length=36), nullable=True),
         sa.Column("step_index", sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.Column("attempt", sa.Integer(), server_default=sa.text("1"), nullable=False),
+        sa.Column("attempt_base", sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.Column("fence", sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.Column("locked_by", sa.String(length=255), nullable=True),
         sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=True),
