@@ -247,6 +247,8 @@ class Durable:
             "due_at": self.db.now(),
             "published": True,
         }
+        if wf.timeout and not (wf.debounce and key is not None):
+            run["deadline_at"] = self.db.later(wf.timeout)
         if wf.debounce and key is not None:
             # Due after the period, never later than the timeout from this first start.
             run.update(due_at=self.db.later(wf.debounce["period"]), published=False)

@@ -8,7 +8,7 @@ from sqlalchemy import update
 
 from . import signals
 from .errors import InvalidArgument, KeyContended, KeyTaken, NoKey, NotFinished, RunNotFound
-from .keys import MAX_HANDS, Decision, reuse_frees, settle_waiting_txn
+from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees
 from .store import activity_rows, event_rows, key_rows, queries
 from .store.schema import FINISHED, UNFINISHED, runs
 from .waits import check_event
@@ -36,13 +36,18 @@ def cancel(durable: Durable, run_id: str) -> bool:
         run = _run(conn, run_id)
         if run.status not in CANCELLABLE:
             return False
-        key_row = key_rows.key_of_holder_txn(conn, run_id) if run.key else None
         if run.key and run.runs_after_id:
-            key_rows.forget_waiting_txn(conn, run_id)
+            key_rows.forget_waiting_txn(conn, run_id)  # a run_again run stops waiting
         error = {"type": "Cancelled", "message": "cancelled", "traceback": None}
-        if queries.cancel_run_txn(db, conn, run_id, error, CANCELLABLE) is None:
+        done, settled = end_run_txn(
+            durable,
+            conn,
+            run,
+            "cancelled",
+            lambda c: queries.cancel_run_txn(db, c, run_id, error, CANCELLABLE) is not None,
+        )
+        if not done:
             return False
-        settled = settle_waiting_txn(durable, conn, key_row, "cancelled", durable.workflows.get(run.workflow))
     signals.run_finished.send(sender=durable, run_id=run_id, workflow=run.workflow, status="cancelled")
     if settled is not None:
         settled.after_commit(durable)
@@ -59,8 +64,9 @@ def retry(durable: Durable, run_id: str) -> str:
         if run.status != "failed":
             raise InvalidArgument(f"only failed runs can be retried; run {run_id} is {run.status}")
         workflow = durable._resolve(run.workflow)
-        if run.key is not None:
-            _retake_key_txn(durable, conn, workflow, run)
+        retaken, previous = (
+            _retake_key_txn(durable, conn, workflow, run) if run.key is not None else (False, None)
+        )
         conn.execute(
             update(runs)
             .where(runs.c.id == run_id, runs.c.status == "failed")
@@ -68,6 +74,7 @@ def retry(durable: Durable, run_id: str) -> str:
                 status="running" if run.started_at else "pending",
                 attempt=run.attempt + 1,
                 attempt_base=run.attempt,
+                deadline_at=None,
                 losses=0,
                 error=None,
                 finished_at=None,
@@ -76,10 +83,17 @@ def retry(durable: Durable, run_id: str) -> str:
             )
         )
     durable.publish(workflow, run.step_index, run_id, run.attempt + 1, run.key)
+    if retaken:
+        signals.key_handoff.send(
+            sender=durable, run_id=run_id, workflow=run.workflow, key=run.key, previous_id=previous
+        )
     return run_id
 
 
-def _retake_key_txn(durable: Durable, conn: Connection, workflow: Workflow, run: Any) -> None:
+def _retake_key_txn(
+    durable: Durable, conn: Connection, workflow: Workflow, run: Any
+) -> tuple[bool, str | None]:
+    """Take the key back for a retried run: (whether it was retaken, from which run)."""
     db, name = durable.db, workflow.name or ""
     for _ in range(MAX_HANDS):
         holder = key_rows.lock_key_txn(conn, name, run.key)
@@ -87,14 +101,14 @@ def _retake_key_txn(durable: Durable, conn: Connection, workflow: Workflow, run:
             if not key_rows.claim_key_txn(db, conn, name, run.key, run.id):
                 continue
         elif holder.holder_id == run.id:
-            return
+            return False, None
         elif reuse_frees(workflow.reuse, holder.status):
             key_rows.hand_key_txn(db, conn, name, run.key, run.id, None)
         else:
             raise KeyTaken(holder.holder_id)
         previous = holder.holder_id if holder is not None else None
         activity_rows.record_txn(db, conn, "key_retaken", run.id, name, run.key, {"from": previous})
-        return
+        return True, previous
     raise KeyContended(f"key {run.key!r} of {name!r} changed hands {MAX_HANDS} times")
 
 

@@ -224,6 +224,7 @@ class Workflow:
     def derive_key(self, data: dict[str, Any], key: Any) -> str | None:
         """The run's key: the one given, else the workflow's template or callable on the input."""
         if self.idempotency == "off":
+            check_key(key)  # still refused when malformed, then ignored
             return None
         if key is None and self.key is not None:
             if callable(self.key):

@@ -31,12 +31,14 @@ SERVER_VARIABLES = ("DURABLE_DATABASE_URL", "CELERY_BROKER_URL", "SHOP_BROKER_UR
 
 @dataclass(frozen=True)
 class DemoRun:
-    """One run the demo starts: what to call it, what to start, and whether to cancel it."""
+    """One run the demo starts: what to call it, what to start, whether to cancel it, and
+    whether to start it again with the same key (before and after it runs)."""
 
     title: str
     workflow: str
     input: dict[str, Any]
     cancel_first: bool = False
+    start_again: bool = False
 
 
 DEMO_RUNS = (
@@ -65,6 +67,7 @@ DEMO_RUNS = (
         "send_receipt for A-1001: a one-step workflow keyed by its input",
         "send_receipt",
         {"order_id": "A-1001", "email": "ada@example.com"},
+        start_again=True,
     ),
 )
 
@@ -142,6 +145,9 @@ def demo(durable: Durable, echo: Echo, timeout: float) -> None:
         if item.cancel_first:
             cancelled = durable.cancel(run_id)
             echo(f"     cancel() -> {cancelled}, status now {durable.get_run(run_id).status}")
+        if item.start_again:
+            again = durable.start(item.workflow, item.input)
+            echo(f"     started again with the same input -> {same_or_new(again, run_id)}")
     echo("")
     echo("Starting a Celery worker in this process (2 threads) and waiting for every run")
     with worker(durable, concurrency=2):
@@ -149,6 +155,28 @@ def demo(durable: Durable, echo: Echo, timeout: float) -> None:
     for number, (item, run) in enumerate(zip(DEMO_RUNS, finished, strict=True), 1):
         echo("")
         report_run(number, item, run, durable.list_steps(run.id), echo)
+    for item, run in zip(DEMO_RUNS, finished, strict=True):
+        if item.start_again:
+            report_key(durable, item, run, echo)
+
+
+def report_key(durable: Durable, item: DemoRun, run: Run, echo: Echo) -> None:
+    """Start a keyed run's workflow once more now that the run finished, and show the key."""
+    reuse = durable.workflows[item.workflow].reuse
+    echo("")
+    echo(f"Keys: starting {item.workflow} with key {run.key} again, now that its run is {run.status}")
+    again = durable.start(item.workflow, item.input)
+    echo(f"  reuse={reuse!r} -> {same_or_new(again, run.id)}")
+    runs = durable.list_runs(workflow=item.workflow, key=run.key)
+    holders = sum(1 for r in runs if r.holds_key)
+    echo(f"  runs with key {run.key}: {len(runs)}, holding it: {holders}")
+    entries = reversed(durable.activity(kinds=["key_duplicate"], run_id=run.id))
+    echo(f"  key_duplicate activity on the run: {', '.join(e.details['outcome'] for e in entries)}")
+
+
+def same_or_new(run_id: str, first_id: str) -> str:
+    """How a start's answer relates to the first run of its key."""
+    return "the same run, nothing new started" if run_id == first_id else "a new run"
 
 
 def report_run(number: int, item: DemoRun, run: Run, steps: list[StepRecord], echo: Echo) -> None:

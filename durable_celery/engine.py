@@ -28,7 +28,7 @@ log = logging.getLogger("durable_celery")
 
 
 class StepCancelled(RunStopped):
-    """The run was cancelled while this step ran."""
+    """The run was cancelled (or otherwise ended, e.g. by its timeout) while this step ran."""
 
     def __init__(self, reason: str = "cancelled") -> None:
         super().__init__(reason)
@@ -185,7 +185,7 @@ class Engine:
         """Handle one step message; returns what happened ('done', 'dropped', 'fenced', ...)."""
         node = node or f"{self.node}:{threading.get_ident()}"
         with self.db.begin() as conn:
-            row = queries.claim_run(self.db, conn, run_id, step.index, node)
+            row = queries.claim_run(self.db, conn, run_id, step.index, node, workflow.timeout)
         if row is None:
             log.debug("durable: dropped message for run %s step %s", run_id, step.name)
             return "dropped"
@@ -238,8 +238,8 @@ class Engine:
         with self.db.begin() as conn:
             if queries.heartbeat_run(self.db, conn, active.run_id, active.fence):
                 return None
-            status = queries.run_status(conn, active.run_id)
-        return "cancelled" if status in ("cancelled", None) else "fenced"
+            fence = queries.run_fence(conn, active.run_id)
+        return _stop_reason(fence, active.fence)
 
     # -- results --------------------------------------------------------------------------
 
@@ -279,13 +279,13 @@ class Engine:
             # The key row is locked before the run row, the order every transaction keeps.
             key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
             recorded = queries.record_step_txn(conn, row.id, row.fence, run_values, step_row)
-            status_now = None if recorded else queries.run_status(conn, row.id)
+            fence_now = None if recorded else queries.run_fence(conn, row.id)
             if recorded and key_row is not None:
                 settled = settle_waiting_txn(self.durable, conn, key_row, status, workflow)
         if settled is not None:
             settled.after_commit(self.durable)
         if not recorded:
-            return self._stopped(workflow, step, row, "cancelled" if status_now == "cancelled" else "fenced")
+            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
         signals.step_finished.send(
             sender=self.durable,
             run_id=row.id,
@@ -345,9 +345,9 @@ class Engine:
     def _park(self, workflow: Workflow, step: Step, row: Any, parked: Parked) -> str:
         with self.db.begin() as conn:
             done = event_rows.park_txn(self.db, conn, row.id, row.fence, parked.name, parked.timeout)
-            status_now = None if done else queries.run_status(conn, row.id)
+            fence_now = None if done else queries.run_fence(conn, row.id)
         if not done:
-            return self._stopped(workflow, step, row, "cancelled" if status_now == "cancelled" else "fenced")
+            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
         return "waiting"
 
     def _stopped(self, workflow: Workflow, step: Step, row: Any, reason: str) -> str:
@@ -358,6 +358,12 @@ class Engine:
                 sender=self.durable, run_id=row.id, workflow=workflow.name, step=step.name
             )
         return reason
+
+
+def _stop_reason(fence_now: int | None, fence: int) -> str:
+    """Why a step may not go on: another worker took the run over (its fence moved on), or the
+    run ended under it (cancelled, timed out, deleted)."""
+    return "fenced" if fence_now is not None and fence_now != fence else "cancelled"
 
 
 def _check_json(outcome: Outcome, ctx: RunContext) -> Outcome:

@@ -6,6 +6,7 @@ never wait on each other in a circle: **the key row first, then run rows**.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +136,12 @@ class KeyDecision:
             queries.cancel_run_txn(self.db, self.conn, holder.holder_id, reason, UNFINISHED)
             if holder.waiting_id:
                 queries.cancel_run_txn(self.db, self.conn, holder.waiting_id, reason, UNFINISHED)
+                decision.notices.append(
+                    (
+                        signals.run_finished,
+                        {"run_id": holder.waiting_id, "workflow": self.name, "status": "cancelled"},
+                    )
+                )
             self._record_duplicate(holder, "cancel_existing", replaced_by=new_id)
             decision.notices.append(self._dup_notice(holder, "cancel_existing"))
             decision.notices.append(
@@ -171,8 +178,13 @@ class KeyDecision:
             decision = self._answer(holder, "run_again", runs_after=holder.waiting_id)
             decision.run_id = holder.waiting_id
             return decision
+        # It has no timeout yet: that counts from when it takes the key (at its first claim).
         waiting = self._insert_new(
-            status="waiting", due_at=None, published=False, runs_after_id=holder.holder_id
+            status="waiting",
+            due_at=None,
+            published=False,
+            runs_after_id=holder.holder_id,
+            deadline_at=None,
         )
         key_rows.set_waiting_txn(self.conn, self.name, self.key, waiting.run_id)
         self._record_duplicate(holder, "run_again", runs_after=waiting.run_id)
@@ -309,3 +321,14 @@ def decide_start_txn(
             (signals.run_started, {"run_id": decision.run_id, "workflow": workflow.name, "key": run["key"]}),
         )
     return decision
+
+
+def end_run_txn(
+    durable: Durable, conn: Connection, run: Any, status: str, end: Callable[[Connection], bool]
+) -> tuple[bool, Decision | None]:
+    """Finish ``run`` (id, key, workflow) with ``end(conn)``, locking its key row first and
+    settling the run waiting behind it. Returns whether ``end`` finished it, and the hand-off."""
+    key_row = key_rows.key_of_holder_txn(conn, run.id) if run.key else None
+    if not end(conn):
+        return False, None
+    return True, settle_waiting_txn(durable, conn, key_row, status, durable.workflows.get(run.workflow))

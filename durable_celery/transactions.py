@@ -6,6 +6,7 @@ NOTHING), so the caller's transaction stays usable; a rollback removes the run a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, event
@@ -51,7 +52,7 @@ def start_in_callers_transaction(
     decision = decide_start_txn(durable, conn, workflow, run, policy)
     error, decision.error = decision.error, None
     if session is not None:
-        event.listen(session, "after_commit", lambda _s: decision.after_commit(durable), once=True)
+        _after_outcome(session, lambda: decision.after_commit(durable))
     else:
         if decision.publish:
             queries.mark_unsent(conn, [dispatch[1] for dispatch in decision.publish])
@@ -65,3 +66,15 @@ def start_in_callers_transaction(
 def _same_database(conn: Connection, durable: Durable) -> bool:
     theirs, ours = conn.engine.url, durable.db.engine.url
     return (theirs.host, theirs.port, theirs.database) == (ours.host, ours.port, ours.database)
+
+
+def _after_outcome(session: Session, on_commit: Callable[[], None]) -> None:
+    """Call ``on_commit`` when the session commits, unless it rolls back first."""
+    rolled_back = []
+
+    def committed(_session: Session) -> None:
+        if not rolled_back:
+            on_commit()
+
+    event.listen(session, "after_commit", committed, once=True)
+    event.listen(session, "after_rollback", lambda _s: rolled_back.append(True), once=True)

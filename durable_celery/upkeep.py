@@ -11,11 +11,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
+from sqlalchemy import Connection
 
 from . import signals
-from .keys import settle_waiting_txn
+from .keys import end_run_txn
 from .observe import ACTIVITY_KEPT
-from .store import activity_rows, key_rows, queries
+from .store import activity_rows, queries
 from .store.db import utcnow
 from .store.schema import runs
 
@@ -65,26 +66,56 @@ def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
         stale = queries.stale_runs(db, conn, s.stale_lock_timeout, RELAY_BATCH)
     for run in stale:
         lost_for_good = run.losses + 1 >= s.max_losses
-        settled = None
-        with db.begin() as conn:
-            key_row = key_rows.key_of_holder_txn(conn, run.id) if lost_for_good and run.key else None
-            fail_with = error if lost_for_good else None
-            if not queries.take_back_stale_txn(db, conn, run, s.stale_lock_timeout, fail_with):
-                continue  # another node took it, or the worker came back
-            if lost_for_good:
-                settled = settle_waiting_txn(
-                    durable, conn, key_row, "failed", durable.workflows.get(run.workflow)
-                )
-        (failed if lost_for_good else handed_back).append(run.id)
+        fail_with = error if lost_for_good else None
+
+        def take_back(conn: Connection, run: Any = run, fail_with: Any = fail_with) -> bool:
+            return queries.take_back_stale_txn(db, conn, run, s.stale_lock_timeout, fail_with)
+
         if lost_for_good:
-            signals.run_finished.send(sender=durable, run_id=run.id, workflow=run.workflow, status="failed")
-        if settled is not None:
-            settled.after_commit(durable)
+            if _end(durable, run, "failed", take_back):
+                failed.append(run.id)
+            continue
+        with db.begin() as conn:
+            if take_back(conn):
+                handed_back.append(run.id)
     if handed_back or failed:
         log.warning("durable: recovered %d stale run(s), failed %d", len(handed_back), len(failed))
         signals.stale_recovered.send(sender=durable, run_ids=handed_back, failed_ids=failed)
         relay_once(durable)
     return handed_back, failed
+
+
+def fail_overdue_once(durable: Durable) -> list[str]:
+    """Fail runs past their workflow timeout; returns their ids."""
+    db = durable.db
+    with db.engine.connect() as conn:
+        overdue = queries.overdue_runs(db, conn, RELAY_BATCH)
+    failed = []
+    for run in overdue:
+        timeout = getattr(durable.workflows.get(run.workflow), "timeout", None)
+        error = {
+            "type": "WorkflowTimeout",
+            "traceback": None,
+            "message": f"the run did not finish within its timeout of {timeout}s",
+        }
+
+        def fail(conn: Connection, run: Any = run, error: Any = error) -> bool:
+            return queries.fail_overdue_txn(db, conn, run.id, error)
+
+        if _end(durable, run, "failed", fail):
+            failed.append(run.id)
+    return failed
+
+
+def _end(durable: Durable, run: Any, status: str, end: Any) -> bool:
+    """Finish one run in its own transaction, keeping the key rules; True if it was ended."""
+    with durable.db.begin() as conn:
+        done, settled = end_run_txn(durable, conn, run, status, end)
+    if done:
+        signals.run_finished.send(sender=durable, run_id=run.id, workflow=run.workflow, status=status)
+    if settled is not None:
+        settled.after_commit(durable)
+    return done
 
 
 def trim_activity_once(durable: Durable) -> int:
@@ -120,6 +151,7 @@ class Upkeep:
         next_trim = time.monotonic()
         while not self._stop.wait(s.poll_interval):
             self._guarded(relay_once)
+            self._guarded(fail_overdue_once)
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + s.sweep_interval
                 self._guarded(sweep_stale_once)

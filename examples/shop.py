@@ -121,7 +121,8 @@ def geocode(**_: Any) -> dict[str, str]:
 # -- send_receipt: a one-step workflow from a function, keyed by its input --------------------
 
 
-@durable.workflow(key="receipt:{order_id}")
+@durable.workflow(key="receipt:{order_id}", reuse="never")
 def send_receipt(order_id: str, email: str) -> dict[str, str]:
-    """E-mail the receipt of an order; the key is derived from the input: ``receipt:<order_id>``."""
+    """E-mail the receipt of an order, once: the key ``receipt:<order_id>`` comes from the input,
+    and ``reuse="never"`` keeps it after the run completed, so starting it again sends nothing."""
     return {"to": email, "subject": f"Your receipt for order {order_id}"}

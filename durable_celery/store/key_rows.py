@@ -38,7 +38,9 @@ def lock_key_txn(conn: Connection, workflow: str, key: str) -> Any:
         )
         .join(holder, holder.c.id == keys.c.holder_id)
         .where(keys.c.workflow == workflow, keys.c.key == key)
-        .with_for_update(of=keys)
+        # The holder's row is locked too: a start that waited for a finishing holder then
+        # reads the status that holder committed, not the one from before the wait.
+        .with_for_update(of=[keys, holder])
     )
     return conn.execute(query).first()
 

@@ -73,7 +73,9 @@ def fetch_steps(conn: Connection, run_id: str) -> Sequence[Any]:
     return conn.execute(query.order_by(steps.c.step_index, steps.c.attempt)).all()
 
 
-def claim_run(db: Database, conn: Connection, run_id: str, step_index: int, node: str) -> Row[Any] | None:
+def claim_run(
+    db: Database, conn: Connection, run_id: str, step_index: int, node: str, timeout: float | None = None
+) -> Row[Any] | None:
     """Take the run for one step if it is due and unlocked; bumps the fencing token."""
     now = db.now()
     query = (
@@ -93,6 +95,11 @@ def claim_run(db: Database, conn: Connection, run_id: str, step_index: int, node
             due_at=None,
             published=False,
             started_at=func.coalesce(runs.c.started_at, now),
+            # A workflow timeout counts from when the run is first due (debounced, or handed
+            # the key by run_again), unless it was set at start.
+            deadline_at=func.coalesce(runs.c.deadline_at, db.later(timeout))
+            if timeout
+            else runs.c.deadline_at,
         )
         .returning(*_CLAIM_COLUMNS)
     )
@@ -225,9 +232,50 @@ def take_back_stale_txn(
     return bool(conn.execute(query).rowcount == 1)
 
 
+def overdue_runs(db: Database, conn: Connection, limit: int) -> Sequence[Any]:
+    """Unfinished runs past their workflow timeout."""
+    query = (
+        select(runs.c.id, runs.c.workflow, runs.c.key)
+        .where(
+            runs.c.deadline_at < db.now(),
+            runs.c.finished_at.is_(None),
+            runs.c.status.in_(("pending", "running", "waiting")),
+        )
+        .limit(limit)
+    )
+    return conn.execute(query).all()
+
+
+def fail_overdue_txn(db: Database, conn: Connection, run_id: str, error: dict[str, Any]) -> bool:
+    """Fail a run past its workflow timeout (if it still is); a running step stops at its next
+    heartbeat and cannot record."""
+    query = (
+        update(runs)
+        .where(
+            runs.c.id == run_id,
+            runs.c.deadline_at < db.now(),
+            runs.c.status.in_(("pending", "running", "waiting")),
+        )
+        .values(
+            status="failed",
+            error=error,
+            finished_at=db.now(),
+            due_at=None,
+            locked_by=None,
+            heartbeat_at=None,
+        )
+    )
+    return bool(conn.execute(query).rowcount == 1)
+
+
 def run_status(conn: Connection, run_id: str) -> str | None:
     """The status of one run, or None when there is no such run."""
     return conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
+
+
+def run_fence(conn: Connection, run_id: str) -> int | None:
+    """The fencing token of one run, or None when there is no such run."""
+    return conn.execute(select(runs.c.fence).where(runs.c.id == run_id)).scalar()
 
 
 def count_runs_by_status(conn: Connection) -> dict[tuple[str, str], int]:

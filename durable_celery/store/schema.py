@@ -63,6 +63,8 @@ runs = Table(
     Column("published", Boolean, nullable=False, server_default=text("false")),
     # A debounced run is never due later than this (the debounce timeout from its first start).
     Column("not_after", Timestamp),
+    # The workflow timeout: an unfinished run is failed after this.
+    Column("deadline_at", Timestamp),
     # The event the run waits for, and until when (waits park the run; see waits.py).
     Column("wait_name", String(200)),
     Column("wait_until", Timestamp),
@@ -85,6 +87,12 @@ runs = Table(
         "due_at",
         postgresql_where=text("due_at IS NOT NULL"),
         sqlite_where=text("due_at IS NOT NULL"),
+    ),
+    Index(
+        "ix_durable_runs_deadline",
+        "deadline_at",
+        postgresql_where=text("deadline_at IS NOT NULL AND finished_at IS NULL"),
+        sqlite_where=text("deadline_at IS NOT NULL AND finished_at IS NULL"),
     ),
     Index(
         "ix_durable_runs_locked",

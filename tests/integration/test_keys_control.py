@@ -278,3 +278,20 @@ def test_cli_keys_report_and_runs_by_key(durable, tmp_path):
     assert "sync:account:7" in report and holder in report
     listing = celery("runs", "--key", "sync:account:7")
     assert holder in listing and "yes" in listing
+
+
+def test_session_rolled_back_then_committed_publishes_nothing(durable, user_engine):
+    wf = define(durable)
+    started = []
+    signals.run_started.connect(lambda sender, run_id, **kw: started.append(run_id), weak=False)
+    try:
+        with Session(user_engine) as session:
+            run_id = durable.start(wf, {"n": 1}, key="k", connection=session)
+            session.rollback()
+            session.execute(text("INSERT INTO articles VALUES (1, 'later')"))
+            session.commit()
+    finally:
+        signals.run_started.receivers.clear()
+    assert started == []
+    with pytest.raises(RunNotFound):
+        durable.get_run(run_id)

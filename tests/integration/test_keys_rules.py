@@ -416,3 +416,62 @@ def test_key_template_on_decorated_workflow(durable):
     run_id = process_article.start({"id": 42})
     assert durable.get_run(run_id).key == "article:42"
     assert process_article.start({"id": 42}) == run_id
+
+
+def test_workflow_timeout_fails_a_run_and_stops_its_step(durable):
+    progress = []
+    wf = durable.workflow("bounded", timeout=0.6)
+
+    @wf.step
+    def crawl():
+        for i in range(200):
+            progress.append(i)
+            time.sleep(0.05)
+        return "finished"
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf), timeout=15)
+        seen = len(progress)
+        time.sleep(0.6)
+        assert len(progress) - seen <= 1  # the step was stopped, not left running
+    assert run.status == "failed" and run.error["type"] == "WorkflowTimeout"
+    assert "finished" not in progress
+
+
+def test_workflow_timeout_fails_a_run_no_worker_takes(durable):
+    wf = durable.workflow("stranded", timeout=0.5, queue="nobody-listens-here")
+
+    @wf.step
+    def never():
+        raise AssertionError("must not run")
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf), timeout=15)
+    assert run.status == "failed" and run.error["type"] == "WorkflowTimeout"
+
+
+def test_debounced_run_timeout_counts_from_when_it_is_due(durable):
+    wf = durable.workflow("late_start", timeout=1.0, debounce={"period": 1.5})
+
+    @wf.step
+    def go():
+        return "ran"
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf, key="k"), timeout=15)
+    # 1.5 s of debounce is longer than the timeout, which only starts counting once due
+    assert run.status == "completed" and run.output == "ran"
+
+
+def test_run_again_run_timeout_counts_from_when_it_takes_the_key(durable):
+    gate = Gate()
+    wf = gate.define(durable, "relay_race", on_duplicate="run_again", timeout=1.5)
+    with worker(durable):
+        holder = durable.start(wf, {"n": 1}, key="k")
+        gate.wait_entered()
+        waiting = durable.start(wf, {"n": 2}, key="k")
+        time.sleep(1.0)  # the holder runs on, longer than what is left of the waiting run's timeout
+        gate.release.set()
+        assert wait_for(durable, holder).status == "completed"
+        run = wait_for(durable, waiting, timeout=15)
+    assert run.status == "completed" and run.output == 2

@@ -74,6 +74,7 @@ def upgrade() -> None:
         sa.Column("due_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("published", sa.Boolean(), server_default=sa.text("false"), nullable=False),
         sa.Column("not_after", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("deadline_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("wait_name", sa.String(length=200), nullable=True),
         sa.Column("wait_until", sa.DateTime(timezone=True), nullable=True),
         sa.Column("losses", sa.Integer(), server_default=sa.text("0"), nullable=False),
@@ -89,6 +90,14 @@ def upgrade() -> None:
         unique=False,
         postgresql_where=sa.text("due_at IS NOT NULL"),
         sqlite_where=sa.text("due_at IS NOT NULL"),
+    )
+    op.create_index(
+        "ix_durable_runs_deadline",
+        "durable_runs",
+        ["deadline_at"],
+        unique=False,
+        postgresql_where=sa.text("deadline_at IS NOT NULL AND finished_at IS NULL"),
+        sqlite_where=sa.text("deadline_at IS NOT NULL AND finished_at IS NULL"),
     )
     op.create_index(
         "ix_durable_runs_locked",
@@ -222,6 +231,7 @@ def downgrade() -> None:
         postgresql_where=sa.text("due_at IS NOT NULL"),
         sqlite_where=sa.text("due_at IS NOT NULL"),
     )
+    op.drop_index("ix_durable_runs_deadline", table_name="durable_runs")
     op.drop_table("durable_runs")
     op.drop_index("ix_durable_activity_workflow_key", table_name="durable_activity")
     op.drop_index("ix_durable_activity_run", table_name="durable_activity")

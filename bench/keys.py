@@ -1,0 +1,453 @@
+"""The producer side of keyed starts on PostgreSQL: rates, latencies and statements per start.
+
+    python -m bench.keys [--count 1500] [--hammer-seconds 5] [--threads 32]
+
+No worker runs; every figure is what ``durable.start()`` costs the caller:
+
+1. one producer thread, in interleaved blocks so that drift hits every kind alike:
+   - a bare single-row ``INSERT`` + ``COMMIT`` into a scratch table, on ``durable.db.engine``
+     (same pool, pre-ping, driver and database), the floor a start is compared with;
+   - a keyed start of a new key (creates the run, publishes its first step to Redis);
+   - a duplicate: the same key while its holder is unfinished (``use_existing``, nothing published).
+   The time of ``durable.publish`` is measured inside the new starts, so the rate is given with
+   the publish (what a caller sees) and the share the publish takes.
+2. SQL per start, in a separate untimed pass: statements (SQLAlchemy ``before_cursor_execute``),
+   transactions (``begin``), commits (``commit``) and pool checkouts, each of which costs a
+   pre-ping round trip. psycopg sends BEGIN as a round trip of its own.
+3. 32 producers hammering one key for a few seconds: starts/s, errors, runs created (must be 1).
+
+This prints figures; it is not a test.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+import redis
+from celery import Celery
+from sqlalchemy import Column, MetaData, String, Table, create_engine, event, insert, text
+from sqlalchemy.engine import Engine, make_url
+
+from durable_celery import Durable
+from durable_celery.store.db import normalize_url
+
+WORKFLOW = "bench_keyed"
+DUP_KEY = "the-held-key"
+HAMMER_KEY = "hammered"
+RATIO_TARGET = 0.5
+DUP_STATEMENTS_TARGET = 3
+DUP_COMMITS_TARGET = 1
+NEW_STATEMENTS_TARGET = 5
+KINDS = ("bare", "new", "dup")
+
+scratch = Table("bench_keys_scratch", MetaData(), Column("id", String(36), primary_key=True))
+
+
+def say(message: str) -> None:
+    click.echo(message)
+    sys.stdout.flush()
+
+
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "FAIL"
+
+
+# -- setup ------------------------------------------------------------------------------------
+
+
+def prepare_database(url: str) -> str:
+    """Create the database if it is missing; returns the URL pinned to psycopg 3."""
+    parsed = make_url(normalize_url(url))
+    quoted = '"' + (parsed.database or "").replace('"', '""') + '"'
+    admin = create_engine(parsed.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            found = conn.execute(
+                text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": parsed.database}
+            ).scalar()
+            if not found:
+                say(f"creating database {parsed.database}")
+                conn.execute(text(f"CREATE DATABASE {quoted}"))
+    finally:
+        admin.dispose()
+    return parsed.render_as_string(hide_password=False)
+
+
+def build(database_url: str, broker_url: str, pool_size: int) -> Durable:
+    app = Celery("bench_keys", broker=broker_url, set_as_current=True)
+    app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+    durable = Durable(app, database_url=database_url, pool_size=pool_size, upkeep=False)
+    workflow = durable.workflow(WORKFLOW)
+
+    @workflow.step
+    def only(**_: Any) -> None:
+        return None
+
+    return durable
+
+
+def empty_tables(engine: Engine) -> None:
+    scratch.create(engine, checkfirst=True)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE durable_runs CASCADE"))  # keys, steps and events go with it
+        conn.execute(text("TRUNCATE durable_activity, bench_keys_scratch"))
+
+
+# -- the three kinds of call ------------------------------------------------------------------
+
+
+def bare_insert(durable: Durable, _n: int) -> None:
+    with durable.db.engine.begin() as conn:
+        conn.execute(insert(scratch).values(id=str(uuid.uuid4())))
+
+
+def new_start(durable: Durable, n: int) -> None:
+    durable.start(WORKFLOW, {"n": n}, key=f"new-{uuid.uuid4().hex}")
+
+
+def dup_start(durable: Durable, n: int) -> None:
+    durable.start(WORKFLOW, {"n": n}, key=DUP_KEY)
+
+
+CALLS: dict[str, Callable[[Durable, int], None]] = {"bare": bare_insert, "new": new_start, "dup": dup_start}
+
+
+# -- counting statements ------------------------------------------------------------------------
+
+_WORDS = re.compile(r"\s+")
+
+
+def label(statement: str) -> str:
+    """A short name for a statement: verb, table and the clauses that matter for cost."""
+    sql = _WORDS.sub(" ", statement).strip().upper()
+    table = re.search(r"(?:INTO|FROM|UPDATE)\s+\"?(\w+)", sql)
+    parts = [sql.split(" ", 1)[0], table.group(1).lower() if table else "?"]
+    parts += [clause for clause in ("ON CONFLICT", "RETURNING", "FOR UPDATE") if clause in sql]
+    return " ".join(parts)
+
+
+@dataclass
+class SqlCount:
+    """Statements, transactions, commits and pool checkouts on one engine while attached."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    shape: list[str] = field(default_factory=list)
+
+    def attach(self, engine: Engine) -> None:
+        event.listen(engine, "before_cursor_execute", self._statement)
+        event.listen(engine, "begin", self._begin)
+        event.listen(engine, "commit", self._commit)
+        event.listen(engine.pool, "checkout", self._checkout)
+
+    def detach(self, engine: Engine) -> None:
+        event.remove(engine, "before_cursor_execute", self._statement)
+        event.remove(engine, "begin", self._begin)
+        event.remove(engine, "commit", self._commit)
+        event.remove(engine.pool, "checkout", self._checkout)
+
+    def _statement(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        self.counts["statements"] += 1
+        self.shape.append(label(statement))
+
+    def _begin(self, _conn: Any) -> None:
+        self.counts["transactions"] += 1
+        self.shape.append("BEGIN")
+
+    def _commit(self, _conn: Any) -> None:
+        self.counts["commits"] += 1
+        self.shape.append("COMMIT")
+
+    def _checkout(self, *_args: Any) -> None:
+        self.counts["checkouts"] += 1
+        self.shape.append("pre-ping")
+
+
+def count_sql(durable: Durable, kind: str, calls: int) -> tuple[dict[str, float], list[str]]:
+    """Per-call averages of what one kind costs in SQL, and the shape of its last call."""
+    counter = SqlCount()
+    counter.attach(durable.db.engine)
+    try:
+        for n in range(calls):
+            counter.shape.clear()
+            CALLS[kind](durable, n)
+    finally:
+        counter.detach(durable.db.engine)
+    averages = {name: counter.counts[name] / calls for name in ("statements", "transactions", "commits")}
+    averages["checkouts"] = counter.counts["checkouts"] / calls
+    averages["round_trips"] = sum(averages.values())
+    return averages, list(counter.shape)
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+class PublishTimer:
+    """Wraps ``durable.publish`` to add up the seconds spent publishing to the broker."""
+
+    def __init__(self, durable: Durable) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._inner = durable.publish
+        durable.publish = self._timed  # type: ignore[method-assign]
+
+    def _timed(self, *args: Any, **kwargs: Any) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return bool(self._inner(*args, **kwargs))
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+    def take(self) -> tuple[float, int]:
+        taken = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return taken
+
+
+@dataclass
+class Timing:
+    latencies: list[float] = field(default_factory=list)
+    publish_seconds: float = 0.0
+    publishes: int = 0
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies) / sum(self.latencies)
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def time_block(durable: Durable, kind: str, calls: int, timing: Timing, timer: PublishTimer) -> None:
+    call = CALLS[kind]
+    timer.take()
+    for n in range(calls):
+        t0 = time.perf_counter()
+        call(durable, n)
+        timing.latencies.append(time.perf_counter() - t0)
+    seconds, publishes = timer.take()
+    timing.publish_seconds += seconds
+    timing.publishes += publishes
+
+
+def timed_pass(durable: Durable, count: int, blocks: int) -> dict[str, Timing]:
+    timer = PublishTimer(durable)
+    timings = {kind: Timing() for kind in KINDS}
+    per_block = max(1, count // blocks)
+    t0 = time.perf_counter()
+    for block in range(1, blocks + 1):
+        for kind in KINDS:
+            time_block(durable, kind, per_block, timings[kind], timer)
+        rates = "  ".join(
+            f"{kind} {per_block / sum(timings[kind].latencies[-per_block:]):7.0f}/s" for kind in KINDS
+        )
+        say(f"  block {block}/{blocks}: {rates}   ({time.perf_counter() - t0:5.1f}s)")
+    durable.publish = timer._inner  # type: ignore[method-assign]
+    return timings
+
+
+# -- hammering one key ----------------------------------------------------------------------------
+
+
+@dataclass
+class Hammer:
+    starts: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    ids: set[str] = field(default_factory=set)
+    latencies: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def hammer_thread(
+    durable: Durable, result: Hammer, barrier: threading.Barrier, deadline: list[float]
+) -> None:
+    seen: set[str] = set()
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    barrier.wait()
+    while time.perf_counter() < deadline[0]:
+        t0 = time.perf_counter()
+        try:
+            seen.add(durable.start(WORKFLOW, {"t": threading.get_ident()}, key=HAMMER_KEY))
+        except Exception as exc:  # counted and printed; the figures say what went wrong
+            errors[type(exc).__name__] += 1
+        latencies.append(time.perf_counter() - t0)
+    with result.lock:
+        result.starts += len(latencies) - sum(errors.values())
+        result.ids |= seen
+        result.errors.update(errors)
+        result.latencies += latencies
+
+
+def hammer(durable: Durable, threads: int, seconds: float) -> tuple[Hammer, float]:
+    result = Hammer()
+    deadline = [0.0]
+    barrier = threading.Barrier(threads + 1)
+    workers = [
+        threading.Thread(target=hammer_thread, args=(durable, result, barrier, deadline), daemon=True)
+        for _ in range(threads)
+    ]
+    for thread in workers:
+        thread.start()
+    deadline[0] = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    barrier.wait()
+    while any(t.is_alive() for t in workers):
+        time.sleep(1.0)
+        if time.perf_counter() < deadline[0] + 0.5:
+            say(f"  {time.perf_counter() - t0:4.1f}s of {seconds:.0f}s")
+    for thread in workers:
+        thread.join(timeout=60)
+    return result, time.perf_counter() - t0
+
+
+# -- reporting ------------------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:6.2f} ms"
+
+
+def report_rates(timings: dict[str, Timing]) -> bool:
+    bare, new, dup = (timings[k] for k in KINDS)
+    say("\nsingle producer (interleaved blocks)         calls     rate     p50        p99     x bare")
+    names = {
+        "bare": "bare INSERT+COMMIT (scratch table)",
+        "new": "keyed start, new key (with publish)",
+        "dup": "keyed start, duplicate (held key)",
+    }
+    for kind in KINDS:
+        t = timings[kind]
+        say(
+            f"  {names[kind]:<40} {len(t.latencies):6d} {t.rate:7.0f}/s {ms(t.quantile(0.5))} "
+            f"{ms(t.quantile(0.99))}  {t.rate / bare.rate:5.2f}"
+        )
+    total_new = sum(new.latencies)
+    share = new.publish_seconds / total_new
+    per_publish = new.publish_seconds / max(1, new.publishes)
+    without = len(new.latencies) / (total_new - new.publish_seconds)
+    say(
+        f"  publishing to the broker: {new.publishes} messages, {ms(per_publish)} each, "
+        f"{share:.0%} of a new keyed start; without it {without:.0f}/s ({without / bare.rate:.2f} x bare)"
+    )
+    ok_new = new.rate >= RATIO_TARGET * bare.rate
+    ok_dup = dup.rate >= RATIO_TARGET * bare.rate
+    for what, timing, ok in (("new keyed", new, ok_new), ("duplicate", dup, ok_dup)):
+        ratio = timing.rate / bare.rate
+        say(f"  target: {what} starts/s >= {RATIO_TARGET} x bare: {ratio:.2f}  {verdict(ok)}")
+    return ok_new and ok_dup
+
+
+def report_sql(sql: dict[str, tuple[dict[str, float], list[str]]]) -> bool:
+    say("\nSQL per call (untimed pass)          statements  transactions  commits  checkouts  round trips")
+    for kind, (avg, _shape) in sql.items():
+        say(
+            f"  {kind:<34} {avg['statements']:10.2f} {avg['transactions']:13.2f} {avg['commits']:8.2f} "
+            f"{avg['checkouts']:10.2f} {avg['round_trips']:12.2f}"
+        )
+    for kind, (_avg, shape) in sql.items():
+        say(f"  one {kind}: {' -> '.join(shape)}")
+    say("  (round trips = statements + BEGIN + COMMIT + the pool's pre-ping at each checkout)")
+    new, dup = sql["new"][0], sql["dup"][0]
+    ok_dup = dup["statements"] <= DUP_STATEMENTS_TARGET and dup["commits"] <= DUP_COMMITS_TARGET
+    ok_new = new["statements"] <= NEW_STATEMENTS_TARGET
+    say(
+        f"  target: duplicate <= {DUP_STATEMENTS_TARGET} statements and {DUP_COMMITS_TARGET} commit: "
+        f"{dup['statements']:.2f} / {dup['commits']:.2f}  {verdict(ok_dup)}"
+    )
+    say(
+        f"  target: new keyed start <= {NEW_STATEMENTS_TARGET} statements: {new['statements']:.2f}  "
+        f"{verdict(ok_new)}"
+    )
+    return ok_dup and ok_new
+
+
+def report_hammer(durable: Durable, result: Hammer, took: float, threads: int, pool: int) -> bool:
+    with durable.db.engine.connect() as conn:
+        runs = conn.execute(
+            text("SELECT count(*) FROM durable_runs WHERE workflow = :w AND key = :k"),
+            {"w": WORKFLOW, "k": HAMMER_KEY},
+        ).scalar()
+    latencies = sorted(result.latencies)
+    p50 = latencies[len(latencies) // 2] if latencies else 0.0
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0
+    say(f"\n{threads} producers hammering one key ({took:.1f}s, pool of {pool}+{pool} connections)")
+    say(f"  starts/s {result.starts / took:8.0f}   p50 {ms(p50)}   p99 {ms(p99)}")
+    say(f"  errors   {sum(result.errors.values()):8d}   {dict(result.errors) or ''}")
+    say(f"  ids returned {len(result.ids)}, runs created {runs}")
+    ok = runs == 1 and len(result.ids) == 1 and not result.errors
+    say(f"  target: exactly 1 run, 1 id, no errors  {verdict(ok)}")
+    return ok
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option(
+    "--url",
+    default="postgresql://postgres@127.0.0.1:5432/durable_bench_keys",
+    show_default=True,
+    help="PostgreSQL database (created if missing, migrated, emptied).",
+)
+@click.option(
+    "--broker",
+    default="redis://127.0.0.1:6379/13",
+    show_default=True,
+    help="Redis broker (this database is flushed).",
+)
+@click.option("--count", default=1500, show_default=True, help="Timed calls of each kind.")
+@click.option("--blocks", default=5, show_default=True, help="Interleaved blocks the timed calls come in.")
+@click.option("--sql-calls", default=200, show_default=True, help="Calls of each kind in the counting pass.")
+@click.option("--threads", default=32, show_default=True, help="Producers hammering one key.")
+@click.option("--hammer-seconds", default=5.0, show_default=True, help="How long they hammer.")
+@click.option("--pool-size", default=5, show_default=True, help="Durable's pool_size (the library default).")
+def main(
+    url: str,
+    broker: str,
+    count: int,
+    blocks: int,
+    sql_calls: int,
+    threads: int,
+    hammer_seconds: float,
+    pool_size: int,
+) -> None:
+    """Measure what keyed starts cost a producer on PostgreSQL (no worker involved)."""
+    t0 = time.perf_counter()
+    database_url = prepare_database(url)
+    client = redis.Redis.from_url(broker)
+    client.flushdb()
+    durable = build(database_url, broker, pool_size)
+    say(f"migrating {make_url(database_url).database}: {durable.migrate() or 'up to date'}")
+    empty_tables(durable.db.engine)
+    durable.start(WORKFLOW, {"n": -1}, key=DUP_KEY)  # the holder every duplicate meets
+    say("warming up")
+    for kind in KINDS:
+        count_sql(durable, kind, 50)
+    say(f"counting SQL over {sql_calls} calls of each kind")
+    sql = {kind: count_sql(durable, kind, sql_calls) for kind in KINDS}
+    say(f"timing {count} calls of each kind in {blocks} interleaved blocks")
+    timings = timed_pass(durable, count, blocks)
+    say(f"hammering one key from {threads} threads for {hammer_seconds:.0f}s")
+    result, took = hammer(durable, threads, hammer_seconds)
+    ok = report_rates(timings)
+    ok = report_sql(sql) and ok
+    ok = report_hammer(durable, result, took, threads, pool_size) and ok
+    say(f"\n{'all targets met' if ok else 'some targets missed'}; {time.perf_counter() - t0:.1f}s in all")
+    client.flushdb()
+    client.close()
+    durable.db.dispose()
+
+
+if __name__ == "__main__":
+    main()
