@@ -27,7 +27,7 @@ from .models import Run, StepRecord
 from .observe import Activity, KeyEntry, Stats
 from .store import migrate as migrations
 from .store import queries
-from .store.db import Database
+from .store.db import Clock, Database
 from .store.schema import FINISHED, UNFINISHED
 
 log = logging.getLogger("durable_celery")
@@ -243,17 +243,17 @@ class Durable:
             "input": data,
             "context": {},
             "key": key,
-            "created_at": self.db.now(),
-            "due_at": self.db.now(),
+            "created_at": Clock(),
+            "due_at": Clock(),
             "published": True,
         }
         if wf.timeout and not (wf.debounce and key is not None):
-            run["deadline_at"] = self.db.later(wf.timeout)
+            run["deadline_at"] = Clock(wf.timeout)
         if wf.debounce and key is not None:
             # Due after the period, never later than the timeout from this first start.
-            run.update(due_at=self.db.later(wf.debounce["period"]), published=False)
+            run.update(due_at=Clock(wf.debounce["period"]), published=False)
             if wf.debounce.get("timeout"):
-                run["not_after"] = self.db.later(wf.debounce["timeout"])
+                run["not_after"] = Clock(wf.debounce["timeout"])
         return run
 
     def publish_named(

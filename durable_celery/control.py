@@ -96,7 +96,7 @@ def _retake_key_txn(
     """Take the key back for a retried run: (whether it was retaken, from which run)."""
     db, name = durable.db, workflow.name or ""
     for _ in range(MAX_HANDS):
-        holder = key_rows.lock_key_txn(conn, name, run.key)
+        holder = key_rows.lock_key_txn(db, conn, name, run.key)
         if holder is None:
             if not key_rows.claim_key_txn(db, conn, name, run.key, run.id):
                 continue

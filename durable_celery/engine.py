@@ -18,7 +18,7 @@ from .definition import Step, Workflow
 from .errors import RunStopped, StepTimeout
 from .keys import settle_waiting_txn
 from .store import event_rows, key_rows, queries
-from .store.db import utcnow
+from .store.db import Clock, utcnow
 from .waits import Parked
 
 if TYPE_CHECKING:
@@ -127,7 +127,6 @@ class Heartbeater:
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._loop, name="durable-heartbeat", daemon=True)
                 self._thread.start()
-        self._wake.set()
 
     def remove(self, step: ActiveStep) -> None:
         """Stop watching a step."""
@@ -278,7 +277,7 @@ class Engine:
         with self.db.begin() as conn:
             # The key row is locked before the run row, the order every transaction keeps.
             key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
-            recorded = queries.record_step_txn(conn, row.id, row.fence, run_values, step_row)
+            recorded = queries.record_step_txn(self.db, conn, row.id, row.fence, run_values, step_row)
             fence_now = None if recorded else queries.run_fence(conn, row.id)
             if recorded and key_row is not None:
                 settled = settle_waiting_txn(self.durable, conn, key_row, status, workflow)
@@ -311,7 +310,7 @@ class Engine:
                 "status": "completed",
                 "output": outcome.value,
                 "context": ctx.context,
-                "finished_at": self.db.now(),
+                "finished_at": Clock(),
                 "due_at": None,
             }
             return values, "completed"
@@ -321,7 +320,7 @@ class Engine:
                 "attempt": 1,
                 "losses": 0,
                 "context": ctx.context,
-                "due_at": self.db.now(),
+                "due_at": Clock(),
                 "published": True,
             }
             return values, "running"
@@ -330,14 +329,14 @@ class Engine:
             values = {
                 "attempt": row.attempt + 1,
                 "losses": 0,
-                "due_at": self.db.later(delay),
+                "due_at": Clock(delay),
                 "published": False,
             }
             return values, "retrying"
         values = {
             "status": "failed",
             "error": error_record(outcome.error),
-            "finished_at": self.db.now(),
+            "finished_at": Clock(),
             "due_at": None,
         }
         return values, "failed"

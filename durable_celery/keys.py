@@ -75,7 +75,7 @@ class KeyDecision:
         for _ in range(MAX_HANDS):
             if key_rows.claim_key_txn(self.db, self.conn, self.name, self.key, self.run["id"]):
                 return self._insert_new()
-            holder = key_rows.lock_key_txn(self.conn, self.name, self.key)
+            holder = key_rows.lock_key_txn(self.db, self.conn, self.name, self.key)
             if holder is not None:
                 return self._duplicate(holder)
         raise KeyContended(f"key {self.key!r} of {self.name!r} changed hands {MAX_HANDS} times")
@@ -84,7 +84,7 @@ class KeyDecision:
 
     def _insert_new(self, **changes: Any) -> Decision:
         run = {**self.run, **changes}
-        queries.insert_run_txn(self.conn, run)
+        queries.insert_run_txn(self.db, self.conn, run)
         publish: list[Dispatch] = [(self.name, run["id"], 0, 1, self.key)] if run["published"] else []
         return Decision(run["id"], created=True, publish=publish)
 
@@ -309,7 +309,7 @@ def decide_start_txn(
 ) -> Decision:
     """Insert a new run, or answer from the holder of its key; the caller commits."""
     if run["key"] is None:
-        queries.insert_run_txn(conn, run)
+        queries.insert_run_txn(durable.db, conn, run)
         decision = Decision(run["id"], created=True)
         if run["published"]:
             decision.publish.append((workflow.name or "", run["id"], 0, 1, None))

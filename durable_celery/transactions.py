@@ -70,7 +70,7 @@ def _same_database(conn: Connection, durable: Durable) -> bool:
 
 def _after_outcome(session: Session, on_commit: Callable[[], None]) -> None:
     """Call ``on_commit`` when the session commits, unless it rolls back first."""
-    rolled_back = []
+    rolled_back: list[bool] = []
 
     def committed(_session: Session) -> None:
         if not rolled_back:

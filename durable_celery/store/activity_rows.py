@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, func, insert, select
 
-from .db import Database
+from .db import Clock, Database
 from .schema import activity, runs
 
 
@@ -22,16 +22,16 @@ def record_txn(
     details: dict[str, Any],
 ) -> None:
     """Write one activity entry; ``details`` always carries the key and workflow."""
-    conn.execute(
-        insert(activity).values(
-            kind=kind,
-            run_id=run_id,
-            workflow=workflow,
-            key=key,
-            details={"key": key, "workflow": workflow, **details},
-            at=db.now(),
-        )
-    )
+    values = {
+        "kind": kind,
+        "run_id": run_id,
+        "workflow": workflow,
+        "key": key,
+        "details": {"key": key, "workflow": workflow, **details},
+        "at": Clock(),
+    }
+    stmt, params = db.bind("activity", activity.c, values, lambda sv: insert(activity).values(**sv))
+    conn.execute(stmt, params)
 
 
 def list_activity(

@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, func
+from sqlalchemy import Connection, DateTime, Engine, Interval, bindparam, create_engine, event, func
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from ..errors import InvalidDefinition
+
+
+class Clock:
+    """A time ``seconds`` from now on the database's clock, as a value in a cached statement."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = seconds
 
 
 def utcnow() -> datetime:
@@ -58,6 +67,7 @@ class Database:
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._pid = os.getpid()
+        self._statements: dict[Any, Any] = {}
 
     @property
     def engine(self) -> Engine:
@@ -123,3 +133,55 @@ class Database:
     def later(self, seconds: float) -> Any:
         """``now() + seconds`` on the same clock as :meth:`now`."""
         return self.now() + timedelta(seconds=seconds)
+
+    # -- statements built once --------------------------------------------------------------
+    # Building a SQLAlchemy statement and its cache key costs more than running it; the hot
+    # path (start, claim, record) builds each shape once and binds values per call. Times go
+    # in as Clock values so they still come from the database's clock.
+
+    def statement(self, key: Any, build: Callable[[], Any]) -> Any:
+        """The statement cached under ``key``, built by ``build()`` the first time."""
+        found = self._statements.get(key)
+        if found is None:
+            found = self._statements[key] = build()
+        return found
+
+    def clock_expression(self, name: str, value: Clock) -> Any:
+        """The SQL for a Clock value bound as ``name``."""
+        if self.is_postgres:
+            return func.now() if value.seconds == 0 else func.now() + bindparam(name, type_=Interval())
+        return bindparam(name, type_=DateTime(timezone=True))
+
+    def clock_params(self, clocks: dict[str, Clock]) -> dict[str, Any]:
+        """The bound values for the Clock values named in ``clocks``."""
+        if self.is_postgres:
+            return {n: timedelta(seconds=c.seconds) for n, c in clocks.items() if c.seconds != 0}
+        now = utcnow()
+        return {n: now + timedelta(seconds=c.seconds) for n, c in clocks.items()}
+
+    def bind(
+        self, name: str, columns: Any, values: dict[str, Any], build: Callable[..., Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        """A cached statement for these value columns, and its parameters.
+
+        ``build(set_values)`` makes the statement; ``set_values`` maps each column to a bind
+        parameter ``v_<column>`` (typed like the column) or to the clock expression.
+        """
+        shape = tuple(
+            sorted((k, isinstance(v, Clock), getattr(v, "seconds", 0) == 0) for k, v in values.items())
+        )
+
+        def make() -> Any:
+            set_values = {
+                k: self.clock_expression(f"v_{k}", v)
+                if isinstance(v, Clock)
+                else bindparam(f"v_{k}", type_=columns[k].type)
+                for k, v in values.items()
+            }
+            return build(set_values)
+
+        stmt = self.statement((name, shape), make)
+        clocks = {f"v_{k}": v for k, v in values.items() if isinstance(v, Clock)}
+        params = {f"v_{k}": v for k, v in values.items() if not isinstance(v, Clock)}
+        params.update(self.clock_params(clocks))
+        return stmt, params

@@ -5,44 +5,54 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, bindparam, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .db import Database
+from .db import Clock, Database
 from .schema import keys, runs
 
 
 def claim_key_txn(db: Database, conn: Connection, workflow: str, key: str, run_id: str) -> bool:
     """Insert the key row naming ``run_id`` as holder; False if the key already has a row."""
     dialect_insert = postgresql.insert if db.is_postgres else sqlite.insert
-    query = (
-        dialect_insert(keys)
-        .values(workflow=workflow, key=key, holder_id=run_id, taken_at=db.now())
-        .on_conflict_do_nothing(index_elements=["workflow", "key"])
-        .returning(keys.c.holder_id)
-    )
-    return conn.execute(query).first() is not None
+    values = {"workflow": workflow, "key": key, "holder_id": run_id, "taken_at": Clock()}
 
-
-def lock_key_txn(conn: Connection, workflow: str, key: str) -> Any:
-    """Lock a key row and read its holder (and waiting run); None when the row is gone."""
-    holder = runs.alias("holder")
-    query = (
-        select(
-            keys.c.holder_id,
-            keys.c.waiting_id,
-            holder.c.status,
-            holder.c.started_at,
-            holder.c.input,
-            holder.c.not_after,
+    def build(set_values: dict[str, Any]) -> Any:
+        return (
+            dialect_insert(keys)
+            .values(**set_values)
+            .on_conflict_do_nothing(index_elements=["workflow", "key"])
+            .returning(keys.c.holder_id)
         )
-        .join(holder, holder.c.id == keys.c.holder_id)
-        .where(keys.c.workflow == workflow, keys.c.key == key)
-        # The holder's row is locked too: a start that waited for a finishing holder then
-        # reads the status that holder committed, not the one from before the wait.
-        .with_for_update(of=[keys, holder])
-    )
-    return conn.execute(query).first()
+
+    stmt, params = db.bind("claim_key", keys.c, values, build)
+    return conn.execute(stmt, params).first() is not None
+
+
+def lock_key_txn(db: Database, conn: Connection, workflow: str, key: str) -> Any:
+    """Lock a key row and its holder's row, and read the holder (and waiting run); None when
+    the key row is gone."""
+
+    def build() -> Any:
+        holder = runs.alias("holder")
+        return (
+            select(
+                keys.c.holder_id,
+                keys.c.waiting_id,
+                holder.c.status,
+                holder.c.started_at,
+                holder.c.input,
+                holder.c.not_after,
+            )
+            .join(holder, holder.c.id == keys.c.holder_id)
+            .where(keys.c.workflow == bindparam("p_workflow"), keys.c.key == bindparam("p_key"))
+            # The holder's row is locked too: a start that waited for a finishing holder then
+            # reads the status that holder committed, not the one from before the wait.
+            .with_for_update(of=[keys, holder])
+        )
+
+    params = {"p_workflow": workflow, "p_key": key}
+    return conn.execute(db.statement("lock_key", build), params).first()
 
 
 def hand_key_txn(

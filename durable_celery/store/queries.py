@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, func, insert, or_, select, update
+from sqlalchemy import Connection, Row, and_, bindparam, func, insert, or_, select, update
 
-from .db import Database
+from .db import Clock, Database
 from .schema import keys, runs, steps
 
 # A waiting run is claimable once due: its timeout passed or its event came.
@@ -35,9 +35,10 @@ _CLAIM_COLUMNS = (
 _HOLDS_KEY = select(keys.c.holder_id).where(keys.c.holder_id == runs.c.id).exists().label("holds_key")
 
 
-def insert_run_txn(conn: Connection, values: dict[str, Any]) -> None:
-    """Insert one run row."""
-    conn.execute(insert(runs).values(**values))
+def insert_run_txn(db: Database, conn: Connection, values: dict[str, Any]) -> None:
+    """Insert one run row (Clock values are times on the database's clock)."""
+    stmt, params = db.bind("insert_run", runs.c, values, lambda sv: insert(runs).values(**sv))
+    conn.execute(stmt, params)
 
 
 def fetch_run(conn: Connection, run_id: str) -> Row[Any] | None:
@@ -77,47 +78,65 @@ def claim_run(
     db: Database, conn: Connection, run_id: str, step_index: int, node: str, timeout: float | None = None
 ) -> Row[Any] | None:
     """Take the run for one step if it is due and unlocked; bumps the fencing token."""
-    now = db.now()
-    query = (
-        update(runs)
-        .where(
-            runs.c.id == run_id,
-            runs.c.step_index == step_index,
-            runs.c.status.in_(CLAIMABLE),
-            runs.c.locked_by.is_(None),
-            runs.c.due_at <= now,
+
+    def build() -> Any:
+        now = db.clock_expression("p_now", Clock())
+        # A workflow timeout counts from when the run is first due (debounced, or handed the
+        # key by run_again), unless it was set at start.
+        deadline: Any = runs.c.deadline_at
+        if timeout:
+            deadline = func.coalesce(runs.c.deadline_at, db.clock_expression("p_deadline", Clock(1)))
+        return (
+            update(runs)
+            .where(
+                runs.c.id == bindparam("p_id"),
+                runs.c.step_index == bindparam("p_step"),
+                runs.c.status.in_(CLAIMABLE),
+                runs.c.locked_by.is_(None),
+                runs.c.due_at <= now,
+            )
+            .values(
+                status="running",
+                fence=runs.c.fence + 1,
+                locked_by=bindparam("p_node"),
+                heartbeat_at=now,
+                due_at=None,
+                published=False,
+                started_at=func.coalesce(runs.c.started_at, now),
+                deadline_at=deadline,
+            )
+            .returning(*_CLAIM_COLUMNS)
         )
-        .values(
-            status="running",
-            fence=runs.c.fence + 1,
-            locked_by=node,
-            heartbeat_at=now,
-            due_at=None,
-            published=False,
-            started_at=func.coalesce(runs.c.started_at, now),
-            # A workflow timeout counts from when the run is first due (debounced, or handed
-            # the key by run_again), unless it was set at start.
-            deadline_at=func.coalesce(runs.c.deadline_at, db.later(timeout))
-            if timeout
-            else runs.c.deadline_at,
-        )
-        .returning(*_CLAIM_COLUMNS)
-    )
-    return conn.execute(query).first()
+
+    clocks = {"p_now": Clock(), **({"p_deadline": Clock(timeout)} if timeout else {})}
+    params = {"p_id": run_id, "p_step": step_index, "p_node": node, **db.clock_params(clocks)}
+    return conn.execute(db.statement(("claim", bool(timeout)), build), params).first()
 
 
 def heartbeat_run(db: Database, conn: Connection, run_id: str, fence: int) -> bool:
     """Refresh the lock of a running step; False when the run was cancelled or taken over."""
-    query = (
-        update(runs)
-        .where(runs.c.id == run_id, runs.c.fence == fence, runs.c.status == "running")
-        .values(heartbeat_at=db.now())
-        .returning(runs.c.id)
-    )
-    return conn.execute(query).first() is not None
+
+    def build() -> Any:
+        return (
+            update(runs)
+            .where(
+                runs.c.id == bindparam("p_id"),
+                runs.c.fence == bindparam("p_fence"),
+                runs.c.status == "running",
+            )
+            .values(heartbeat_at=db.clock_expression("p_now", Clock()))
+            .returning(runs.c.id)
+        )
+
+    params = {"p_id": run_id, "p_fence": fence, **db.clock_params({"p_now": Clock()})}
+    return conn.execute(db.statement("heartbeat", build), params).first() is not None
+
+
+_INSERT_STEP = insert(steps)
 
 
 def record_step_txn(
+    db: Database,
     conn: Connection,
     run_id: str,
     fence: int,
@@ -125,14 +144,23 @@ def record_step_txn(
     step_row: dict[str, Any],
 ) -> bool:
     """Write a step's outcome and the run's next state, unless the worker was fenced out."""
-    query = (
-        update(runs)
-        .where(runs.c.id == run_id, runs.c.fence == fence, runs.c.status == "running")
-        .values(locked_by=None, heartbeat_at=None, **run_values)
-    )
-    if conn.execute(query).rowcount != 1:
+    values = {"locked_by": None, "heartbeat_at": None, **run_values}
+
+    def build(set_values: dict[str, Any]) -> Any:
+        return (
+            update(runs)
+            .where(
+                runs.c.id == bindparam("p_id"),
+                runs.c.fence == bindparam("p_fence"),
+                runs.c.status == "running",
+            )
+            .values(**set_values)
+        )
+
+    stmt, params = db.bind("record", runs.c, values, build)
+    if conn.execute(stmt, {"p_id": run_id, "p_fence": fence, **params}).rowcount != 1:
         return False
-    conn.execute(insert(steps).values(run_id=run_id, **step_row))
+    conn.execute(_INSERT_STEP, {"run_id": run_id, **step_row})
     return True
 
 

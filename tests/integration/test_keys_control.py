@@ -132,7 +132,7 @@ def test_key_contended_after_three_hand_changes(durable, monkeypatch):
     durable.start(wf, key="k")
     # Every time the start locks the key row it finds it gone, as when other starts and
     # releases keep handing it around.
-    monkeypatch.setattr(key_rows, "lock_key_txn", lambda conn, workflow, key: None)
+    monkeypatch.setattr(key_rows, "lock_key_txn", lambda db, conn, workflow, key: None)
     with pytest.raises(KeyContended):
         durable.start(wf, {"n": 2}, key="k")
     assert len(durable.list_runs()) == 1

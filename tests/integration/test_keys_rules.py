@@ -431,9 +431,13 @@ def test_workflow_timeout_fails_a_run_and_stops_its_step(durable):
 
     with worker(durable):
         run = wait_for(durable, durable.start(wf), timeout=15)
-        seen = len(progress)
-        time.sleep(0.6)
-        assert len(progress) - seen <= 1  # the step was stopped, not left running
+        failed_at = time.monotonic()
+        while True:  # the step notices at its next timed heartbeat (0.3 s in tests)
+            seen = len(progress)
+            time.sleep(0.5)
+            if len(progress) == seen:
+                break
+            assert time.monotonic() - failed_at < 5, "step still running after its run timed out"
     assert run.status == "failed" and run.error["type"] == "WorkflowTimeout"
     assert "finished" not in progress
 
