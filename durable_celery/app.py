@@ -22,7 +22,7 @@ from .errors import (
     RunNotFound,
     UnknownWorkflow,
 )
-from .keys import decide_start_txn
+from .keys import start_run
 from .models import Run, StepRecord
 from .observe import Activity, KeyEntry, Stats
 from .store import migrate as migrations
@@ -230,8 +230,7 @@ class Durable:
             from .transactions import start_in_callers_transaction
 
             return start_in_callers_transaction(self, connection, wf, run, policy)
-        with self.db.begin() as conn:
-            decision = decide_start_txn(self, conn, wf, run, policy)
+        decision = start_run(self, wf, run, policy)
         decision.after_commit(self)
         return decision.run_id
 

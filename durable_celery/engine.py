@@ -183,7 +183,7 @@ class Engine:
     def execute(self, workflow: Workflow, step: Step, run_id: str, node: str | None = None) -> str:
         """Handle one step message; returns what happened ('done', 'dropped', 'fenced', ...)."""
         node = node or f"{self.node}:{threading.get_ident()}"
-        with self.db.begin() as conn:
+        with self.db.single() as conn:
             row = queries.claim_run(self.db, conn, run_id, step.index, node, workflow.timeout)
         if row is None:
             log.debug("durable: dropped message for run %s step %s", run_id, step.name)
@@ -234,7 +234,7 @@ class Engine:
 
     def beat(self, active: ActiveStep) -> str | None:
         """One heartbeat; returns None when fine, else 'cancelled' or 'fenced'."""
-        with self.db.begin() as conn:
+        with self.db.single() as conn:
             if queries.heartbeat_run(self.db, conn, active.run_id, active.fence):
                 return None
             fence = queries.run_fence(conn, active.run_id)
@@ -272,17 +272,7 @@ class Engine:
             step_row.update(status="completed", output=outcome.value)
         else:
             step_row.update(status="failed", error=error_record(outcome.error))
-        finishing = status in ("completed", "failed")
-        settled = None
-        with self.db.begin() as conn:
-            # The key row is locked before the run row, the order every transaction keeps.
-            key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
-            recorded = queries.record_step_txn(self.db, conn, row.id, row.fence, run_values, step_row)
-            fence_now = None if recorded else queries.run_fence(conn, row.id)
-            if recorded and key_row is not None:
-                settled = settle_waiting_txn(self.durable, conn, key_row, status, workflow)
-        if settled is not None:
-            settled.after_commit(self.durable)
+        recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
         if not recorded:
             return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
         signals.step_finished.send(
@@ -301,6 +291,33 @@ class Engine:
         elif outcome.error is None:
             self.durable.publish(workflow, step.index + 1, row.id, 1, row.key)
         return status
+
+    def _write(
+        self,
+        workflow: Workflow,
+        row: Any,
+        status: str,
+        run_values: dict[str, Any],
+        step_row: dict[str, Any],
+    ) -> tuple[bool, int | None]:
+        """Write the step's outcome and the run's next state: (recorded, fence if not)."""
+        finishing = status in ("completed", "failed")
+        settled = None
+        if self.db.is_postgres and not (finishing and row.key):
+            with self.db.single() as conn:  # one statement, committed on its own
+                recorded = queries.record_step(self.db, conn, row.id, row.fence, run_values, step_row)
+                fence_now = None if recorded else queries.run_fence(conn, row.id)
+        else:
+            with self.db.begin() as conn:
+                # The key row is locked before the run row, the order every transaction keeps.
+                key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
+                recorded = queries.record_step_txn(self.db, conn, row.id, row.fence, run_values, step_row)
+                fence_now = None if recorded else queries.run_fence(conn, row.id)
+                if recorded and key_row is not None:
+                    settled = settle_waiting_txn(self.durable, conn, key_row, status, workflow)
+        if settled is not None:
+            settled.after_commit(self.durable)
+        return recorded, fence_now
 
     def _next_state(
         self, step: Step, row: Any, ctx: RunContext, outcome: Outcome, last: bool

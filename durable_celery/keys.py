@@ -70,10 +70,16 @@ class KeyDecision:
         self.name: str = workflow.name or ""
         self.key: str = run["key"]
 
-    def decide(self) -> Decision:
-        """Take the key, or answer from its holder by reuse, debounce and on_duplicate."""
-        for _ in range(MAX_HANDS):
-            if key_rows.claim_key_txn(self.db, self.conn, self.name, self.key, self.run["id"]):
+    def decide(self, key_seen_held: bool = False) -> Decision:
+        """Take the key, or answer from its holder by reuse, debounce and on_duplicate.
+
+        ``key_seen_held``: a moment ago the key had a row, so look at its holder first.
+        """
+        for hand in range(MAX_HANDS):
+            skip_claim = key_seen_held and hand == 0
+            if not skip_claim and key_rows.claim_key_txn(
+                self.db, self.conn, self.name, self.key, self.run["id"]
+            ):
                 return self._insert_new()
             holder = key_rows.lock_key_txn(self.db, self.conn, self.name, self.key)
             if holder is not None:
@@ -304,22 +310,49 @@ def settle_waiting_txn(
     )
 
 
+def start_run(durable: Durable, workflow: Workflow, run: dict[str, Any], policy: str | SendEvent) -> Decision:
+    """Start a run in a transaction of its own: a new run or free key in one statement when it
+    can (PostgreSQL), else the full decision."""
+    db = durable.db
+    if not db.is_postgres:
+        with db.begin() as conn:
+            return decide_start_txn(durable, conn, workflow, run, policy)
+    with db.single() as conn:
+        if run["key"] is None:
+            queries.insert_run_txn(db, conn, run)
+            return _created(workflow, run)
+        if key_rows.insert_run_with_key(db, conn, run):
+            return _created(workflow, run)
+        with db.then_transaction(conn):  # the key is held: decide on the same connection
+            return decide_start_txn(durable, conn, workflow, run, policy, key_seen_held=True)
+
+
+def _created(workflow: Workflow, run: dict[str, Any]) -> Decision:
+    decision = Decision(run["id"], created=True)
+    if run["published"]:
+        decision.publish.append((workflow.name or "", run["id"], 0, 1, run["key"]))
+    decision.notices.append(
+        (signals.run_started, {"run_id": run["id"], "workflow": workflow.name, "key": run["key"]})
+    )
+    return decision
+
+
 def decide_start_txn(
-    durable: Durable, conn: Connection, workflow: Workflow, run: dict[str, Any], policy: str | SendEvent
+    durable: Durable,
+    conn: Connection,
+    workflow: Workflow,
+    run: dict[str, Any],
+    policy: str | SendEvent,
+    key_seen_held: bool = False,
 ) -> Decision:
     """Insert a new run, or answer from the holder of its key; the caller commits."""
     if run["key"] is None:
         queries.insert_run_txn(durable.db, conn, run)
-        decision = Decision(run["id"], created=True)
-        if run["published"]:
-            decision.publish.append((workflow.name or "", run["id"], 0, 1, None))
-    else:
-        decision = KeyDecision(durable, conn, workflow, run, policy).decide()
+        return _created(workflow, run)
+    decision = KeyDecision(durable, conn, workflow, run, policy).decide(key_seen_held)
     if decision.created:
-        decision.notices.insert(
-            0,
-            (signals.run_started, {"run_id": decision.run_id, "workflow": workflow.name, "key": run["key"]}),
-        )
+        started = {"run_id": decision.run_id, "workflow": workflow.name, "key": run["key"]}
+        decision.notices.insert(0, (signals.run_started, started))
     return decision
 
 

@@ -126,6 +126,27 @@ class Database:
             with conn.begin():
                 yield conn
 
+    @contextmanager
+    def single(self) -> Iterator[Connection]:
+        """A connection for writes of one statement each, every one committed on its own.
+
+        On PostgreSQL this saves the BEGIN and COMMIT round trips of a transaction.
+        """
+        if not self.is_postgres:
+            with self.begin() as conn:
+                yield conn
+            return
+        with self.engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+
+    @contextmanager
+    def then_transaction(self, conn: Connection) -> Iterator[Connection]:
+        """After :meth:`single` statements on ``conn``, a transaction on the same connection."""
+        conn.rollback()  # ends SQLAlchemy's autobegun block: each statement already committed
+        conn.execution_options(isolation_level="READ COMMITTED")
+        with conn.begin():
+            yield conn
+
     def now(self) -> Any:
         """The database's clock as a SQL expression (PostgreSQL), or this host's (SQLite)."""
         return func.now() if self.is_postgres else utcnow()
@@ -167,21 +188,25 @@ class Database:
         ``build(set_values)`` makes the statement; ``set_values`` maps each column to a bind
         parameter ``v_<column>`` (typed like the column) or to the clock expression.
         """
-        shape = tuple(
-            sorted((k, isinstance(v, Clock), getattr(v, "seconds", 0) == 0) for k, v in values.items())
-        )
+        stmt = self.statement((name, shape(values)), lambda: build(self.set_values("v_", columns, values)))
+        return stmt, self.values_params("v_", values)
 
-        def make() -> Any:
-            set_values = {
-                k: self.clock_expression(f"v_{k}", v)
-                if isinstance(v, Clock)
-                else bindparam(f"v_{k}", type_=columns[k].type)
-                for k, v in values.items()
-            }
-            return build(set_values)
+    def set_values(self, prefix: str, columns: Any, values: dict[str, Any]) -> dict[str, Any]:
+        """Each column of ``values`` as a typed bind parameter, or as its clock expression."""
+        return {
+            k: self.clock_expression(prefix + k, v)
+            if isinstance(v, Clock)
+            else bindparam(prefix + k, type_=columns[k].type)
+            for k, v in values.items()
+        }
 
-        stmt = self.statement((name, shape), make)
-        clocks = {f"v_{k}": v for k, v in values.items() if isinstance(v, Clock)}
-        params = {f"v_{k}": v for k, v in values.items() if not isinstance(v, Clock)}
-        params.update(self.clock_params(clocks))
-        return stmt, params
+    def values_params(self, prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+        """The bound values for :meth:`set_values` of the same ``values``."""
+        params = {prefix + k: v for k, v in values.items() if not isinstance(v, Clock)}
+        params.update(self.clock_params({prefix + k: v for k, v in values.items() if isinstance(v, Clock)}))
+        return params
+
+
+def shape(values: dict[str, Any]) -> tuple[Any, ...]:
+    """What a cached statement for ``values`` depends on: the columns, and which are times."""
+    return tuple(sorted((k, isinstance(v, Clock), getattr(v, "seconds", 0) == 0) for k, v in values.items()))

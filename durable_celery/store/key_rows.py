@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, select, update
+from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .db import Clock, Database
@@ -26,6 +26,31 @@ def claim_key_txn(db: Database, conn: Connection, workflow: str, key: str, run_i
         )
 
     stmt, params = db.bind("claim_key", keys.c, values, build)
+    return conn.execute(stmt, params).first() is not None
+
+
+def insert_run_with_key(db: Database, conn: Connection, run: dict[str, Any]) -> bool:
+    """PostgreSQL only: take a free key and insert its run in one statement; False (and
+    nothing written) when the key is held."""
+
+    def build(set_values: dict[str, Any]) -> Any:
+        taken = (
+            postgresql.insert(keys)
+            .values(
+                workflow=set_values["workflow"],
+                key=set_values["key"],
+                holder_id=set_values["id"],
+                taken_at=func.now(),
+            )
+            .on_conflict_do_nothing(index_elements=["workflow", "key"])
+            .returning(keys.c.holder_id)
+            .cte("taken")
+        )
+        columns = list(set_values)
+        chosen = select(*(set_values[c] for c in columns)).select_from(taken)
+        return insert(runs).from_select(columns, chosen).returning(runs.c.id)
+
+    stmt, params = db.bind("insert_run_with_key", runs.c, run, build)
     return conn.execute(stmt, params).first() is not None
 
 

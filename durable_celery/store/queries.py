@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, and_, bindparam, func, insert, or_, select, update
 
-from .db import Clock, Database
+from .db import Clock, Database, shape
 from .schema import keys, runs, steps
 
 # A waiting run is claimable once due: its timeout passed or its event came.
@@ -162,6 +162,44 @@ def record_step_txn(
         return False
     conn.execute(_INSERT_STEP, {"run_id": run_id, **step_row})
     return True
+
+
+def record_step(
+    db: Database,
+    conn: Connection,
+    run_id: str,
+    fence: int,
+    run_values: dict[str, Any],
+    step_row: dict[str, Any],
+) -> bool:
+    """PostgreSQL only: :func:`record_step_txn` as one statement, for an autocommit connection."""
+    values = {"locked_by": None, "heartbeat_at": None, **run_values}
+    step_keys = tuple(step_row)
+
+    def build() -> Any:
+        recorded = (
+            update(runs)
+            .where(
+                runs.c.id == bindparam("p_id"),
+                runs.c.fence == bindparam("p_fence"),
+                runs.c.status == "running",
+            )
+            .values(**db.set_values("r_", runs.c, values))
+            .returning(runs.c.id)
+            .cte("recorded")
+        )
+        step_values = db.set_values("s_", steps.c, step_row)
+        chosen = select(recorded.c.id, *(step_values[k] for k in step_keys)).select_from(recorded)
+        return insert(steps).from_select(["run_id", *step_keys], chosen).returning(steps.c.id)
+
+    stmt = db.statement(("record_step", shape(values), step_keys), build)
+    params = {
+        "p_id": run_id,
+        "p_fence": fence,
+        **db.values_params("r_", values),
+        **db.values_params("s_", step_row),
+    }
+    return conn.execute(stmt, params).first() is not None
 
 
 def cancel_run_txn(
