@@ -9,6 +9,7 @@ from durable_celery import (
     InvalidArgument,
     InvalidKey,
     InvalidStart,
+    NotFinished,
     RunNotFound,
     UnknownWorkflow,
 )
@@ -67,3 +68,23 @@ def test_bad_list_arguments(shop):
         shop.list_runs(status="done")
     with pytest.raises(InvalidArgument):
         shop.list_runs(limit=0)
+
+
+def test_bad_control_calls_raise_and_change_nothing(shop):
+    run_id = shop.start("charge", {"amount": 1}, key="k")
+    with pytest.raises(InvalidArgument):
+        shop.send_event(run_id, "", {"x": 1})
+    with pytest.raises(InvalidArgument):
+        shop.send_event(run_id, "paid", {"x": object()})
+    for call in (shop.retry, shop.rerun, shop.release_key):
+        with pytest.raises(RunNotFound):
+            call("no-such-run")
+    with pytest.raises(NotFinished):
+        shop.retry(run_id)
+    with pytest.raises(InvalidArgument):
+        shop.activity(limit=0)
+    with pytest.raises(InvalidArgument):
+        shop.list_keys(limit=-1)
+    assert [r.id for r in shop.list_runs()] == [run_id]
+    assert shop.get_run(run_id).status == "pending" and shop.get_run(run_id).holds_key
+    assert shop.activity() == []
