@@ -117,22 +117,25 @@ def heartbeat_run(db: Database, conn: Connection, run_id: str, fence: int) -> bo
     """Refresh the lock of a running step; False when the run was cancelled or taken over."""
 
     def build() -> Any:
-        return (
-            update(runs)
-            .where(
-                runs.c.id == bindparam("p_id"),
-                runs.c.fence == bindparam("p_fence"),
-                runs.c.status == "running",
-            )
-            .values(heartbeat_at=db.clock_expression("p_now", Clock()))
-            .returning(runs.c.id)
-        )
+        now = db.clock_expression("p_now", Clock())
+        return _held_run_update({"heartbeat_at": now}).returning(runs.c.id)
 
     params = {"p_id": run_id, "p_fence": fence, **db.clock_params({"p_now": Clock()})}
     return conn.execute(db.statement("heartbeat", build), params).first() is not None
 
 
 _INSERT_STEP = insert(steps)
+
+
+def _held_run_update(set_values: dict[str, Any]) -> Any:
+    """An UPDATE of the run a worker holds, matching only under the fence it claimed with."""
+    return (
+        update(runs)
+        .where(
+            runs.c.id == bindparam("p_id"), runs.c.fence == bindparam("p_fence"), runs.c.status == "running"
+        )
+        .values(**set_values)
+    )
 
 
 def record_step_txn(
@@ -146,18 +149,7 @@ def record_step_txn(
     """Write a step's outcome and the run's next state, unless the worker was fenced out."""
     values = {"locked_by": None, "heartbeat_at": None, **run_values}
 
-    def build(set_values: dict[str, Any]) -> Any:
-        return (
-            update(runs)
-            .where(
-                runs.c.id == bindparam("p_id"),
-                runs.c.fence == bindparam("p_fence"),
-                runs.c.status == "running",
-            )
-            .values(**set_values)
-        )
-
-    stmt, params = db.bind("record", runs.c, values, build)
+    stmt, params = db.bind("record", runs.c, values, _held_run_update)
     if conn.execute(stmt, {"p_id": run_id, "p_fence": fence, **params}).rowcount != 1:
         return False
     conn.execute(_INSERT_STEP, {"run_id": run_id, **step_row})
@@ -177,17 +169,7 @@ def record_step(
     step_keys = tuple(step_row)
 
     def build() -> Any:
-        recorded = (
-            update(runs)
-            .where(
-                runs.c.id == bindparam("p_id"),
-                runs.c.fence == bindparam("p_fence"),
-                runs.c.status == "running",
-            )
-            .values(**db.set_values("r_", runs.c, values))
-            .returning(runs.c.id)
-            .cte("recorded")
-        )
+        recorded = _held_run_update(db.set_values("r_", runs.c, values)).returning(runs.c.id).cte("recorded")
         step_values = db.set_values("s_", steps.c, step_row)
         chosen = select(recorded.c.id, *(step_values[k] for k in step_keys)).select_from(recorded)
         return insert(steps).from_select(["run_id", *step_keys], chosen).returning(steps.c.id)
