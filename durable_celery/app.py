@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery
 
-from . import control, observe
+from . import control, observe, transport
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -127,12 +127,13 @@ class Durable:
 
     def _use_embedded_broker_if_unset(self) -> None:
         # Never let Celery fall back to amqp://localhost quietly: with no broker chosen, use the
-        # serverless filesystem transport next to the SQLite file (one machine, many processes).
+        # serverless filesystem transport next to the SQLite file (one machine, many processes;
+        # a message lost with a crashed worker is sent again by the relay).
         if self.app.conf.broker_url or os.environ.get("CELERY_BROKER_URL"):
             return
         folder = os.path.abspath(os.path.join(self.settings.home, "broker"))
         os.makedirs(folder, exist_ok=True)
-        self.app.conf.broker_url = "filesystem://"
+        self.app.conf.broker_url = f"{transport.SCHEME}://"
         self.app.conf.broker_transport_options = {
             "data_folder_in": folder,
             "data_folder_out": folder,

@@ -1,7 +1,7 @@
 """``python -m durable_celery demo``: the shop example on the embedded default, with no servers.
 
 It runs the workflows of ``examples/shop.py`` in a fresh temporary directory (a SQLite file and
-the serverless ``filesystem://`` broker), with a real Celery worker in this process, and prints
+the serverless ``durablefs://`` broker), with a real Celery worker in this process, and prints
 what became of every run. The output names no ids, times or durations, so it is the same on
 every machine and a test compares it whole.
 """
@@ -74,7 +74,7 @@ DEMO_RUNS = (
 
 def run_demo(echo: Echo = click.echo, timeout: float = 30.0) -> None:
     """Run the whole demo in a temporary directory that is removed afterwards."""
-    # kombu warns at every connection whose URL names no host, as filesystem:// never does.
+    # kombu warns at every connection whose URL names no host, as durablefs:// never does.
     logging.getLogger("kombu.connection").addFilter(
         lambda record: not record.getMessage().startswith("No hostname was supplied")
     )
@@ -131,7 +131,7 @@ def import_shop() -> ModuleType:
 def demo(durable: Durable, echo: Echo, timeout: float) -> None:
     """Migrate, start the runs, run a worker until they finish, and report each run."""
     echo("durable_celery demo: the workflows of examples/shop.py on the embedded default")
-    echo("(a SQLite file and the filesystem:// broker in a temporary directory; no servers)")
+    echo("(a SQLite file and the durablefs:// broker in a temporary directory; no servers)")
     echo("")
     echo("Migrating the database")
     durable.migrate(progress=lambda line: echo(f"  {line}"))

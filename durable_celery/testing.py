@@ -50,7 +50,7 @@ def worker(
 def _wake(durable: Durable, queues: list[str] | None) -> None:
     # Transports without push (memory, filesystem) poll with a 2 s timeout, and the consumer
     # loop drains once more after it notices the stop: two messages end both waits at once.
-    if durable.app.conf.broker_url.split(":", 1)[0] in ("memory", "filesystem"):
+    if durable.app.conf.broker_url.split(":", 1)[0] in ("memory", "filesystem", "durablefs"):
         for queue in queues or [durable.app.conf.task_default_queue]:
             for _ in range(2):
                 durable.app.send_task(WAKE_TASK, queue=queue, ignore_result=True)

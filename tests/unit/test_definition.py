@@ -157,5 +157,5 @@ def test_no_broker_configured_means_the_embedded_serverless_one(tmp_path, monkey
     monkeypatch.delenv("DURABLE_DATABASE_URL", raising=False)
     app = Celery("embedded")
     durable = Durable(app, home=str(tmp_path / "home"), upkeep=False)
-    assert app.conf.broker_url == "filesystem://"
+    assert app.conf.broker_url == "durablefs://"
     assert durable.db.is_sqlite and str(tmp_path / "home") in durable.db.url
