@@ -335,6 +335,7 @@ class Engine:
             values = {
                 "step_index": step.index + 1,
                 "attempt": 1,
+                "attempt_base": 0,
                 "losses": 0,
                 "context": ctx.context,
                 "due_at": Clock(),

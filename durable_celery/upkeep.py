@@ -1,6 +1,7 @@
 """Periodic upkeep inside every worker: the outbox relay and waker, and the stale-lock sweep.
 
-Every pass claims its rows with ``FOR UPDATE SKIP LOCKED``, so any number of nodes can run it.
+Any number of nodes can run it: the relay takes its rows with ``FOR UPDATE SKIP LOCKED``, and
+the sweeps end each run with an update that only matches while it is still stale or overdue.
 """
 
 from __future__ import annotations

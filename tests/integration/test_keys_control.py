@@ -295,3 +295,27 @@ def test_session_rolled_back_then_committed_publishes_nothing(durable, user_engi
     assert started == []
     with pytest.raises(RunNotFound):
         durable.get_run(run_id)
+
+
+def test_a_retried_run_gives_later_steps_their_own_attempts(durable):
+    fail = {"first": True}
+    wf = durable.workflow("two_steps")
+
+    @wf.step
+    def first():
+        if fail["first"]:
+            raise RuntimeError("first fails once")
+
+    @wf.step(retry=1)
+    def second():
+        raise RuntimeError("second fails")
+
+    run_id = durable.start(wf)
+    with worker(durable):
+        assert wait_for(durable, run_id).status == "failed"
+        fail["first"] = False
+        durable.retry(run_id)
+        run = wait_for(durable, run_id)
+    assert run.status == "failed" and run.error["message"] == "second fails"
+    steps = [(s.name, s.attempt, s.status) for s in durable.list_steps(run_id)]
+    assert steps == [("first", 1, "failed"), ("first", 2, "completed"), ("second", 1, "failed")]
