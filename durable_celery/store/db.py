@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -11,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, DateTime, Engine, Interval, bindparam, create_engine, event, func
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import NullPool
 
 from ..errors import InvalidDefinition
@@ -53,6 +55,26 @@ def _sqlite_begin(conn: Connection) -> None:
     # A write transaction takes the write lock at BEGIN, so two writers queue on the busy
     # timeout instead of failing mid-way; reads begin deferred and never wait on a writer (WAL).
     conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.pop("write", False) else "BEGIN")
+
+
+PING_AFTER_IDLE = 2.0  # seconds a pooled connection may rest before it is checked at checkout
+
+
+def _mark_idle(_dbapi_conn: Any, record: Any) -> None:
+    record.info["idle_since"] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+    # A connection in steady use is not pinged (that would be a round trip per statement);
+    # one that rested, through which a database restart may have passed, is, and a dead one
+    # makes the pool open a fresh connection.
+    if time.monotonic() - record.info.get("idle_since", 0.0) < PING_AFTER_IDLE:
+        return
+    try:
+        dbapi_conn.execute("SELECT 1")
+        dbapi_conn.rollback()
+    except Exception as exc:
+        raise DisconnectionError() from exc
 
 
 class Database:
@@ -100,17 +122,20 @@ class Database:
 
             event.listen(engine, "begin", _sqlite_begin)
             return engine
-        return create_engine(
+        engine = create_engine(
             self.url,
             echo=self._echo,
             pool_size=self._pool_size,
             max_overflow=self._pool_size,
-            pool_pre_ping=True,
             # The key decision is written for READ COMMITTED: a blocked ON CONFLICT or FOR UPDATE
             # sees the row the other transaction committed.
             isolation_level="READ COMMITTED",
             pool_recycle=1800,
         )
+        event.listen(engine, "connect", lambda _conn, record: _mark_idle(_conn, record))
+        event.listen(engine, "checkin", _mark_idle)
+        event.listen(engine, "checkout", _ping_if_idle)
+        return engine
 
     def dispose(self) -> None:
         """Close every pooled connection of this process."""

@@ -97,3 +97,25 @@ def test_start_inside_callers_transaction_runs_after_commit(pg_url, redis_client
         assert wait_for(durable, in_conn).output == "sent 1"
         assert wait_for(durable, in_session).output == "sent 2"
     engine.dispose()
+
+
+def test_pool_recovers_when_the_server_drops_its_connections(pg_url, redis_client):
+    import time
+
+    import psycopg
+
+    from durable_celery.store.db import PING_AFTER_IDLE
+
+    durable = make(pg_url, REDIS_URL, "outbox-e")
+    with worker(durable):
+        assert wait_for(durable, durable.start("ship", {"order": 1})).status == "completed"
+        database = pg_url.rsplit("/", 1)[1]
+        with psycopg.connect(pg_url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = %s AND pid <> pg_backend_pid()",
+                (database,),
+            )
+        time.sleep(PING_AFTER_IDLE + 0.5)  # rested connections are checked before use
+        run_id = durable.start("ship", {"order": 2})
+        assert wait_for(durable, run_id).output == "sent 2"
