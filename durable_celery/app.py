@@ -24,7 +24,7 @@ from .errors import (
 )
 from .keys import start_run
 from .models import Run, StepRecord
-from .observe import Activity, KeyEntry, Stats
+from .observe import Activity, KeyEntry, PendingInput, Stats
 from .store import migrate as migrations
 from .store import queries
 from .store.db import Clock, Database
@@ -358,6 +358,14 @@ class Durable:
     def send_event(self, run_id: str, name: str, payload: Any = None, buffer: bool = False) -> bool:
         """Deliver event ``name`` to a run waiting for it, or keep it with ``buffer=True``."""
         return control.send_event(self, run_id, name, payload, buffer)
+
+    def provide_input(self, run_id: str, name: str, value: Any = None) -> bool:
+        """Give a run the input ``name`` it waits for (kept if it is not waiting yet)."""
+        return control.provide_input(self, run_id, name, value)
+
+    def list_pending_inputs(self, workflow: str | None = None, limit: int = 100) -> list[PendingInput]:
+        """Runs waiting for an input, oldest first."""
+        return observe.list_pending_inputs(self, workflow, limit)
 
     # -- watching ---------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from .errors import DurableError
@@ -28,6 +29,8 @@ class RunContext:
     step: str
     _active: ActiveStep = field(repr=False)
     _resumed_wait: str | None = field(default=None, repr=False)
+    _sleeps: int = field(default=0, repr=False)
+    _step_index: int = field(default=0, repr=False)
 
     def heartbeat(self) -> None:
         """Prove this step is alive; raises RunStopped if the run was cancelled or taken over."""
@@ -42,6 +45,37 @@ class RunContext:
         from .waits import wait_for_event
 
         return wait_for_event(self, name, timeout, timeout_value)
+
+    def wait_for_input(self, name: str, timeout: float | None = None) -> Any:
+        """The value someone gives with ``durable.provide_input(run_id, name, value)``; the run
+        parks (worker freed) until then. EventTimeout if ``timeout`` passes first."""
+        from .waits import wait_for_input
+
+        return wait_for_input(self, name, timeout)
+
+    def sleep(self, seconds: float) -> None:
+        """Park the run for ``seconds`` without holding a worker; the step then resumes."""
+        from .waits import sleep
+
+        sleep(self, seconds)
+
+    def sleep_until(self, when: datetime) -> None:
+        """Park the run until ``when`` (a timezone-aware datetime)."""
+        from .errors import InvalidArgument
+
+        if not isinstance(when, datetime) or when.tzinfo is None:
+            raise InvalidArgument("sleep_until needs a timezone-aware datetime")
+        self.sleep((when - datetime.now(timezone.utc)).total_seconds())
+
+    def snooze(self, seconds: float, reason: str | None = None) -> None:
+        """Stop this step now and run it again from the top after ``seconds``, without using
+        an attempt (e.g. a rate limit, or the worker shutting down)."""
+        from .errors import InvalidArgument
+        from .waits import Snoozed
+
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            raise InvalidArgument(f"seconds must be a number >= 0, not {seconds!r}")
+        raise Snoozed(float(seconds), reason)
 
 
 def current_run() -> RunContext:

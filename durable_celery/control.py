@@ -11,7 +11,7 @@ from .errors import InvalidArgument, KeyContended, KeyTaken, NoKey, NotFinished,
 from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees
 from .store import activity_rows, event_rows, key_rows, queries
 from .store.schema import FINISHED, UNFINISHED, runs
-from .waits import check_event
+from .waits import INPUT, check_event
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -137,6 +137,16 @@ def release_key(durable: Durable, run_id: str, by: str | None = None) -> None:
 def send_event(durable: Durable, run_id: str, name: str, payload: Any = None, buffer: bool = False) -> bool:
     """Deliver an event; True if a waiting run got it or it was kept (``buffer=True``)."""
     check_event(name, payload)
+    return _deliver(durable, run_id, name, payload, buffer)
+
+
+def provide_input(durable: Durable, run_id: str, name: str, value: Any = None) -> bool:
+    """Give a run the input ``name`` it waits (or will wait) for; False if it has finished."""
+    check_event(name, value)
+    return _deliver(durable, run_id, INPUT + name, value, True)
+
+
+def _deliver(durable: Durable, run_id: str, name: str, payload: Any, buffer: bool) -> bool:
     db = durable.db
     with db.begin() as conn:
         run = _run(conn, run_id)

@@ -17,9 +17,9 @@ from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import RunStopped, StepTimeout
 from .keys import settle_waiting_txn
-from .store import event_rows, key_rows, queries
+from .store import activity_rows, event_rows, key_rows, queries
 from .store.db import Clock, utcnow
-from .waits import Parked
+from .waits import Parked, Snoozed
 
 if TYPE_CHECKING:
     from .app import Durable
@@ -166,6 +166,7 @@ class Outcome:
     error: BaseException | None = None
     stopped: str | None = None
     parked: Parked | None = None
+    snoozed: Snoozed | None = None
 
 
 class Engine:
@@ -198,6 +199,7 @@ class Engine:
             step=step.name,
             _active=ActiveStep(self, row.id, row.fence, step.timeout),
             _resumed_wait=row.wait_name,
+            _step_index=step.index,
         )
         started = utcnow()
         signals.step_started.send(
@@ -221,6 +223,8 @@ class Engine:
             outcome.stopped = active.stop_reason or exc.reason
         except Parked as parked:
             outcome.parked = parked
+        except Snoozed as snoozed:
+            outcome.snoozed = snoozed
         except Exception as exc:
             outcome.error = exc
         finally:
@@ -255,6 +259,8 @@ class Engine:
             return self._stopped(workflow, step, row, outcome.stopped)
         if outcome.parked is not None:
             return self._park(workflow, step, row, outcome.parked)
+        if outcome.snoozed is not None:
+            return self._snooze(workflow, step, row, outcome.snoozed)
         if outcome.error is None:
             outcome = _check_json(outcome, ctx)
         last = step.index == len(workflow.steps) - 1
@@ -366,6 +372,24 @@ class Engine:
         if not done:
             return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
         return "waiting"
+
+    def _snooze(self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed) -> str:
+        with self.db.begin() as conn:
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, snoozed.seconds)
+            if done:
+                activity_rows.record_txn(
+                    self.db,
+                    conn,
+                    "snoozed",
+                    row.id,
+                    row.workflow,
+                    row.key,
+                    {"step": step.name, "seconds": snoozed.seconds, "reason": snoozed.reason},
+                )
+            fence_now = None if done else queries.run_fence(conn, row.id)
+        if not done:
+            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+        return "snoozed"
 
     def _stopped(self, workflow: Workflow, step: Step, row: Any, reason: str) -> str:
         if reason == "fenced":

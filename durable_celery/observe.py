@@ -92,6 +92,33 @@ def list_keys(durable: Durable, workflow: str | None = None, limit: int = 1000) 
     ]
 
 
+@dataclass(frozen=True)
+class PendingInput:
+    """A run waiting for an input: give it with ``durable.provide_input(run_id, name, value)``."""
+
+    run_id: str
+    workflow: str
+    name: str
+    key: str | None
+    until: datetime | None
+
+
+def list_pending_inputs(
+    durable: Durable, workflow: str | None = None, limit: int = 100
+) -> list[PendingInput]:
+    """Runs waiting for an input, oldest first."""
+    from .store import queries
+    from .waits import INPUT
+
+    with durable.db.engine.connect() as conn:
+        rows = queries.pending_inputs(conn, INPUT, _check_limit(limit))
+    return [
+        PendingInput(r.id, r.workflow, r.wait_name[len(INPUT) :], r.key, aware(r.wait_until))
+        for r in rows
+        if workflow is None or r.workflow == workflow
+    ]
+
+
 class Stats:
     """Aggregates for dashboards and alerts: ``durable.stats.keys(workflow=...)``."""
 

@@ -29,14 +29,29 @@ class Parked(BaseException):
         self.timeout = timeout
 
 
+class Snoozed(BaseException):
+    """Unwinds a step that snoozes; the engine hands the run back. Never catch it."""
+
+    def __init__(self, seconds: float, reason: str | None) -> None:
+        super().__init__(reason)
+        self.seconds = seconds
+        self.reason = reason
+
+
 class EventTimeout(DurableError):
-    """A wait for an event timed out and no ``timeout_value`` was given."""
+    """A wait for an event (or input) timed out and no ``timeout_value`` was given."""
+
+
+INTERNAL = "durable:"  # names of waits the library keeps for itself (sleeps, inputs)
+INPUT = INTERNAL + "input:"
 
 
 def check_event(name: Any, payload: Any = None) -> None:
     """Raise InvalidArgument unless ``name`` is a non-empty str and ``payload`` is JSON."""
-    if not isinstance(name, str) or not name or len(name) > 200:
-        raise InvalidArgument(f"an event name must be a str of 1 to 200 characters, not {name!r}")
+    if not isinstance(name, str) or not name or len(name) > 150:
+        raise InvalidArgument(f"an event name must be a str of 1 to 150 characters, not {name!r}")
+    if name.startswith(INTERNAL):
+        raise InvalidArgument(f"event names starting with {INTERNAL!r} are reserved")
     try:
         json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -46,6 +61,26 @@ def check_event(name: Any, payload: Any = None) -> None:
 def wait_for_event(run: RunContext, name: str, timeout: float | None, timeout_value: Any) -> Any:
     """The event ``name`` of this run: at once if kept, else after parking until it comes."""
     check_event(name)
+    return _wait(run, name, timeout, timeout_value)
+
+
+def wait_for_input(run: RunContext, name: str, timeout: float | None) -> Any:
+    """The value provided for input ``name`` (``Durable.provide_input``), parking until then."""
+    check_event(name)
+    return _wait(run, INPUT + name, timeout, MISSING)
+
+
+def sleep(run: RunContext, seconds: float) -> None:
+    """Park the run for ``seconds``; on resume this sleep (and every one before it) is done."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise InvalidArgument(f"seconds must be a number, not {seconds!r}")
+    run._sleeps += 1
+    if seconds > 0:
+        name = f"{INTERNAL}sleep:{run._step_index}:{run.attempt}:{run._sleeps}"
+        _wait(run, name, seconds, None)
+
+
+def _wait(run: RunContext, name: str, timeout: float | None, timeout_value: Any) -> Any:
     if timeout is not None and (
         isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
     ):

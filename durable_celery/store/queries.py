@@ -184,6 +184,24 @@ def record_step(
     return conn.execute(stmt, params).first() is not None
 
 
+def hand_back_txn(db: Database, conn: Connection, run_id: str, fence: int, seconds: float) -> bool:
+    """Give up a held run without recording a step: due again in ``seconds``, same attempt."""
+    values = {"locked_by": None, "heartbeat_at": None, "due_at": Clock(seconds), "published": False}
+    stmt, params = db.bind("hand_back", runs.c, values, _held_run_update)
+    return bool(conn.execute(stmt, {"p_id": run_id, "p_fence": fence, **params}).rowcount == 1)
+
+
+def pending_inputs(conn: Connection, prefix: str, limit: int) -> Sequence[Any]:
+    """Runs waiting for an input, oldest first."""
+    query = (
+        select(runs.c.id, runs.c.workflow, runs.c.wait_name, runs.c.wait_until, runs.c.key)
+        .where(runs.c.status == "waiting", runs.c.wait_name.startswith(prefix, autoescape=True))
+        .order_by(runs.c.created_at)
+        .limit(limit)
+    )
+    return conn.execute(query).all()
+
+
 def cancel_run_txn(
     db: Database, conn: Connection, run_id: str, error: dict[str, Any], statuses: Sequence[str]
 ) -> Row[Any] | None:

@@ -1,0 +1,169 @@
+"""Waiting inside a step: sleep, inputs and snooze park the run and free the worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from durable_celery import InvalidArgument, current_run
+from durable_celery.testing import wait_for, worker
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_sleep_parks_the_run_and_resumes_without_redoing_earlier_steps(durable):
+    calls = []
+    wf = durable.workflow("reminder")
+
+    @wf.step
+    def prepare(user):
+        calls.append("prepare")
+
+    @wf.step
+    def remind(user):
+        calls.append("before sleep")
+        current_run().sleep(0.6)
+        calls.append("after sleep")
+        return f"reminded {user}"
+
+    with worker(durable):
+        run_id = durable.start(wf, {"user": "ada"})
+        parked = wait_for(durable, run_id, statuses=("waiting",))
+        assert parked.status == "waiting"
+        run = wait_for(durable, run_id)
+    assert run.output == "reminded ada"
+    # the step is re-run from the top: work before the sleep runs again, earlier steps do not
+    assert calls == ["prepare", "before sleep", "before sleep", "after sleep"]
+    remind_row = durable.list_steps(run_id)[1]
+    assert (remind_row.finished_at - run.created_at).total_seconds() >= 0.6
+
+
+def test_sleep_until_and_several_sleeps_in_one_step(durable):
+    passes = []
+    wf = durable.workflow("sleepy")
+
+    @wf.step
+    def nap():
+        passes.append(current_run().attempt)
+        current_run().sleep(0.2)
+        current_run().sleep_until(datetime.now(timezone.utc) + timedelta(seconds=0.2))
+        current_run().sleep(0)  # nothing to wait for
+        return len(passes)
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf))
+    assert run.status == "completed" and run.output == 3  # parked twice, resumed twice
+    with pytest.raises(InvalidArgument):
+        from durable_celery.context import RunContext
+
+        RunContext.sleep_until(None, datetime.now())  # type: ignore[arg-type]
+
+
+def test_many_sleeping_runs_do_not_hold_worker_slots(durable):
+    wf = durable.workflow("napper")
+
+    @wf.step
+    def nap(n):
+        current_run().sleep(3)
+        return n
+
+    quick = durable.workflow("quick")
+
+    @quick.step
+    def hello(n):
+        return n
+
+    with worker(durable, concurrency=2):
+        sleepers = [durable.start(wf, {"n": n}) for n in range(200)]
+        for run_id in sleepers[:5] + sleepers[-5:]:
+            wait_for(durable, run_id, statuses=("waiting", "completed"), timeout=30)
+        quick_ids = [durable.start(quick, {"n": n}) for n in range(5)]
+        for run_id in quick_ids:
+            assert wait_for(durable, run_id, timeout=10).status == "completed"
+        still_sleeping = sum(
+            1 for r in durable.list_runs(workflow="napper", limit=500) if r.status == "waiting"
+        )
+        assert still_sleeping > 100  # quick runs finished while most sleepers slept
+        done = [wait_for(durable, run_id, timeout=60) for run_id in sleepers]
+    assert sorted(r.output for r in done) == list(range(200))
+
+
+def test_a_sleeping_run_survives_a_worker_restart(durable):
+    wf = durable.workflow("patient")
+
+    @wf.step
+    def wait_a_bit():
+        current_run().sleep(1.0)
+        return "woke"
+
+    with worker(durable):
+        run_id = durable.start(wf)
+        wait_for(durable, run_id, statuses=("waiting",))
+    time.sleep(1.2)  # due while no worker runs
+    assert durable.get_run(run_id).status == "waiting"
+    with worker(durable):
+        assert wait_for(durable, run_id).output == "woke"
+
+
+def test_wait_for_input_and_provide_input(durable):
+    wf = durable.workflow("approval")
+
+    @wf.step
+    def ask(amount):
+        decision = current_run().wait_for_input("approved", timeout=30)
+        return {"amount": amount, "approved": decision}
+
+    with worker(durable):
+        run_id = durable.start(wf, {"amount": 900}, key="refund:1")
+        wait_for(durable, run_id, statuses=("waiting",))
+        (pending,) = durable.list_pending_inputs()
+        assert pending.run_id == run_id and pending.name == "approved"
+        assert pending.workflow == "approval" and pending.key == "refund:1"
+        assert durable.provide_input(run_id, "approved", True) is True
+        run = wait_for(durable, run_id)
+    assert run.output == {"amount": 900, "approved": True}
+    assert durable.list_pending_inputs() == []
+    assert durable.provide_input(run_id, "approved", False) is False  # finished
+    with pytest.raises(InvalidArgument):
+        durable.send_event(run_id, "durable:input:approved", True)  # reserved names
+
+
+def test_input_given_before_the_run_waits_is_kept(durable):
+    entered, release = threading.Event(), threading.Event()
+    wf = durable.workflow("early")
+
+    @wf.step
+    def ask():
+        entered.set()
+        release.wait(10)
+        return current_run().wait_for_input("answer")
+
+    with worker(durable):
+        run_id = durable.start(wf)
+        assert entered.wait(10)
+        durable.provide_input(run_id, "answer", 42)
+        release.set()
+        assert wait_for(durable, run_id).output == 42
+
+
+def test_snooze_hands_the_run_back_without_using_an_attempt(durable):
+    seen = []
+    wf = durable.workflow("rate_limited")
+
+    @wf.step(retry=1)
+    def call_api():
+        seen.append(current_run().attempt)
+        if len(seen) == 1:
+            current_run().snooze(0.3, "rate limited")
+        return "called"
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf))
+    assert run.status == "completed" and run.output == "called"
+    assert seen == [1, 1]  # the same attempt, twice
+    (entry,) = durable.activity(kinds=["snoozed"])
+    assert entry.details["reason"] == "rate limited" and entry.details["step"] == "call_api"
+    assert [s.status for s in durable.list_steps(run.id)] == ["completed"]
