@@ -167,3 +167,23 @@ def test_snooze_hands_the_run_back_without_using_an_attempt(durable):
     (entry,) = durable.activity(kinds=["snoozed"])
     assert entry.details["reason"] == "rate limited" and entry.details["step"] == "call_api"
     assert [s.status for s in durable.list_steps(run.id)] == ["completed"]
+
+
+def test_cancel_reaches_a_waiting_run_at_once(durable):
+    resumed = []
+    wf = durable.workflow("long_nap")
+
+    @wf.step
+    def nap():
+        current_run().sleep(0.5)
+        resumed.append(True)
+
+    with worker(durable):
+        run_id = durable.start(wf)
+        wait_for(durable, run_id, statuses=("waiting",))
+        assert durable.cancel(run_id) is True
+        assert durable.get_run(run_id).status == "cancelled"
+        time.sleep(1.0)  # past the sleep's end: a resumed step would have run by now
+    assert resumed == []
+    assert durable.get_run(run_id).status == "cancelled"
+    assert durable.list_steps(run_id) == []
