@@ -479,3 +479,22 @@ def test_run_again_run_timeout_counts_from_when_it_takes_the_key(durable):
         assert wait_for(durable, holder).status == "completed"
         run = wait_for(durable, waiting, timeout=15)
     assert run.status == "completed" and run.output == 2
+
+
+def test_cancel_existing_refuses_a_compensating_holder(durable):
+    # Compensations come with their own release; the status is set directly to test the rule.
+    from sqlalchemy import update
+
+    from durable_celery.store.schema import runs
+
+    wf = define(durable)
+    holder = durable.start(wf, {"n": 1}, key="k")
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == holder).values(status="compensating"))
+    with pytest.raises(KeyTaken) as info:
+        durable.start(wf, {"n": 2}, key="k", on_duplicate="cancel_existing")
+    assert info.value.holder_id == holder
+    assert durable.get_run(holder).status == "compensating"
+    assert durable.start(wf, {"n": 2}, key="k") == holder  # still holds it: use_existing
+    assert durable.cancel(holder) is False  # a compensating run finishes what it started
+    assert len(durable.list_runs()) == 1
