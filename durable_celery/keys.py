@@ -323,6 +323,18 @@ def start_run(durable: Durable, workflow: Workflow, run: dict[str, Any], policy:
             return _created(workflow, run)
         if key_rows.insert_run_with_key(db, conn, run):
             return _created(workflow, run)
+        if policy == "use_existing" and not workflow.debounce:
+            holder_id = key_rows.answer_from_unfinished_holder(
+                db, conn, workflow.name or "", run["key"], run["input"]
+            )
+            if holder_id is not None:
+                notice = {
+                    "run_id": holder_id,
+                    "workflow": workflow.name,
+                    "key": run["key"],
+                    "outcome": "use_existing",
+                }
+                return Decision(holder_id, notices=[(signals.key_duplicate, notice)])
         with db.then_transaction(conn):  # the key is held: decide on the same connection
             return decide_start_txn(durable, conn, workflow, run, policy, key_seen_held=True)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, func, insert, literal, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .db import Clock, Database
-from .schema import keys, runs
+from .schema import UNFINISHED, activity, keys, runs
 
 
 def claim_key_txn(db: Database, conn: Connection, workflow: str, key: str, run_id: str) -> bool:
@@ -52,6 +52,49 @@ def insert_run_with_key(db: Database, conn: Connection, run: dict[str, Any]) -> 
 
     stmt, params = db.bind("insert_run_with_key", runs.c, run, build)
     return conn.execute(stmt, params).first() is not None
+
+
+def answer_from_unfinished_holder(
+    db: Database, conn: Connection, workflow: str, key: str, new_input: dict[str, Any]
+) -> str | None:
+    """PostgreSQL only, for ``use_existing``: if the key's holder is unfinished, record the
+    duplicate on it and return its id, in one statement and without locks (the answer holds at
+    the moment of the read). None when there is no such holder: decide under locks instead."""
+
+    def build() -> Any:
+        wf: Any = bindparam("p_workflow")
+        k: Any = bindparam("p_key")
+        new = bindparam("p_input", type_=postgresql.JSONB())
+        holder = (
+            select(keys.c.holder_id, runs.c.status, (runs.c.input == new).label("same"))
+            .join(runs, runs.c.id == keys.c.holder_id)
+            .where(keys.c.workflow == wf, keys.c.key == k, runs.c.status.in_(UNFINISHED))
+            .cte("holder")
+        )
+        details = func.jsonb_build_object(
+            "key",
+            k,
+            "workflow",
+            wf,
+            "outcome",
+            "use_existing",
+            "policy",
+            "use_existing",
+            "input_changed",
+            ~holder.c.same,
+            "input",
+            new,
+            "holder_status",
+            holder.c.status,
+        )
+        chosen = select(literal("key_duplicate"), holder.c.holder_id, wf, k, details, func.now()).select_from(
+            holder
+        )
+        columns = ["kind", "run_id", "workflow", "key", "details", "at"]
+        return insert(activity).from_select(columns, chosen).returning(activity.c.run_id)
+
+    params = {"p_workflow": workflow, "p_key": key, "p_input": new_input}
+    return conn.execute(db.statement("answer_use_existing", build), params).scalar()
 
 
 def lock_key_txn(db: Database, conn: Connection, workflow: str, key: str) -> Any:

@@ -134,7 +134,7 @@ def test_key_contended_after_three_hand_changes(durable, monkeypatch):
     # releases keep handing it around.
     monkeypatch.setattr(key_rows, "lock_key_txn", lambda db, conn, workflow, key: None)
     with pytest.raises(KeyContended):
-        durable.start(wf, {"n": 2}, key="k")
+        durable.start(wf, {"n": 2}, key="k", on_duplicate="error")
     assert len(durable.list_runs()) == 1
 
 
