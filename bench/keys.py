@@ -23,7 +23,6 @@ This prints figures; it is not a test.
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import time
 import uuid
@@ -35,11 +34,11 @@ from typing import Any
 import click
 import redis
 from celery import Celery
-from sqlalchemy import Column, MetaData, String, Table, create_engine, event, insert, text
+from sqlalchemy import Column, MetaData, String, Table, event, insert, text
 from sqlalchemy.engine import Engine, make_url
 
+from bench.common import prepare_database, say
 from durable_celery import Durable
-from durable_celery.store.db import normalize_url
 
 WORKFLOW = "bench_keyed"
 DUP_KEY = "the-held-key"
@@ -53,34 +52,11 @@ KINDS = ("bare", "new", "dup")
 scratch = Table("bench_keys_scratch", MetaData(), Column("id", String(36), primary_key=True))
 
 
-def say(message: str) -> None:
-    click.echo(message)
-    sys.stdout.flush()
-
-
 def verdict(ok: bool) -> str:
     return "ok" if ok else "FAIL"
 
 
 # -- setup ------------------------------------------------------------------------------------
-
-
-def prepare_database(url: str) -> str:
-    """Create the database if it is missing; returns the URL pinned to psycopg 3."""
-    parsed = make_url(normalize_url(url))
-    quoted = '"' + (parsed.database or "").replace('"', '""') + '"'
-    admin = create_engine(parsed.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            found = conn.execute(
-                text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": parsed.database}
-            ).scalar()
-            if not found:
-                say(f"creating database {parsed.database}")
-                conn.execute(text(f"CREATE DATABASE {quoted}"))
-    finally:
-        admin.dispose()
-    return parsed.render_as_string(hide_password=False)
 
 
 def build(database_url: str, broker_url: str, pool_size: int) -> Durable:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import resource
-import sys
 import threading
 import time
 import uuid
@@ -35,10 +34,10 @@ from celery import Celery, chain
 from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
 from sqlalchemy import create_engine, event, inspect, text
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 
+from bench.common import prepare_database, say
 from durable_celery import Durable
-from durable_celery.store.db import normalize_url
 
 WORKFLOW = "bench3"
 PLAIN_TASK = "bench.noop"
@@ -48,33 +47,7 @@ POLL_INTERVAL = 0.05
 ROLES = ("producer", "worker", "upkeep", "heartbeat")
 
 
-def say(message: str) -> None:
-    click.echo(message)
-    sys.stdout.flush()
-
-
 # -- setup ------------------------------------------------------------------------------------
-
-
-def prepare_database(url: str, fresh: bool) -> str:
-    """Create the database if it is missing (or anew); returns the URL pinned to psycopg 3."""
-    parsed = make_url(normalize_url(url))
-    quoted = '"' + (parsed.database or "").replace('"', '""') + '"'
-    admin = create_engine(parsed.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            if fresh:
-                say(f"dropping database {parsed.database}")
-                conn.execute(text(f"DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"))
-            found = conn.execute(
-                text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": parsed.database}
-            ).scalar()
-            if not found:
-                say(f"creating database {parsed.database}")
-                conn.execute(text(f"CREATE DATABASE {quoted}"))
-    finally:
-        admin.dispose()
-    return parsed.render_as_string(hide_password=False)
 
 
 def check_schema(engine: Engine) -> None:
