@@ -67,7 +67,7 @@ def test_many_sleeping_runs_do_not_hold_worker_slots(durable):
 
     @wf.step
     def nap(n):
-        current_run().sleep(3)
+        current_run().sleep(5)
         return n
 
     quick = durable.workflow("quick")
