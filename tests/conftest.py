@@ -17,7 +17,7 @@ from durable_celery import Durable
 
 PG_HOST = os.environ.get("DURABLE_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
 REDIS_URL = os.environ.get("DURABLE_TEST_REDIS", "redis://127.0.0.1:6379/9")
-TEMPLATE = "durable_test_template"
+TEMPLATE = os.environ.get("DURABLE_TEST_TEMPLATE", "durable_test_template")
 
 # Settings that make tests quick: a fast waker, fast heartbeats, short backoffs.
 FAST = {

@@ -48,6 +48,13 @@ runs = Table(
     Column("key", String(255)),
     Column("runs_after_id", String(36)),
     Column("parent_id", String(36)),
+    # Which call inside the parent made this child ("<step index>:<n>" or a branch name): a
+    # parent step that runs again finds its children instead of starting second copies.
+    Column("parent_ref", String(200)),
+    # The queue the current step was sent to (for queue stats and pausing).
+    Column("queue", String(200)),
+    # W3C traceparent of the run's trace: every step attempt is a span in it.
+    Column("trace_parent", String(64)),
     # Which step is next or running, and its attempt (1-based).
     Column("step_index", Integer, nullable=False, server_default=text("0")),
     Column("attempt", Integer, nullable=False, server_default=text("1")),
@@ -95,6 +102,21 @@ runs = Table(
         sqlite_where=text("deadline_at IS NOT NULL AND finished_at IS NULL"),
     ),
     Index(
+        "ix_durable_runs_finished",
+        "status",
+        "finished_at",
+        postgresql_where=text("finished_at IS NOT NULL"),
+        sqlite_where=text("finished_at IS NOT NULL"),
+    ),
+    Index(
+        "ux_durable_runs_parent_ref",
+        "parent_id",
+        "parent_ref",
+        unique=True,
+        postgresql_where=text("parent_id IS NOT NULL"),
+        sqlite_where=text("parent_id IS NOT NULL"),
+    ),
+    Index(
         "ix_durable_runs_locked",
         "heartbeat_at",
         postgresql_where=text("locked_by IS NOT NULL"),
@@ -113,6 +135,8 @@ steps = Table(
         nullable=False,
     ),
     Column("step_index", Integer, nullable=False),
+    # "step" for a step's attempts, "compensate" for its compensation's attempts.
+    Column("phase", String(16), nullable=False, server_default=text("'step'")),
     Column("name", String(200), nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("status", String(24), nullable=False),
@@ -120,9 +144,18 @@ steps = Table(
     Column("output", Json),
     Column("error", Json),
     Column("worker", String(255)),
+    # Log records the attempt emitted (see log capture), with their OpenTelemetry fields.
+    Column("logs", Json),
     Column("started_at", Timestamp, nullable=False),
     Column("finished_at", Timestamp, nullable=False),
-    Index("ux_durable_steps_run_step_attempt", "run_id", "step_index", "attempt", unique=True),
+    Index(
+        "ux_durable_steps_run_step_phase_attempt",
+        "run_id",
+        "step_index",
+        "phase",
+        "attempt",
+        unique=True,
+    ),
 )
 
 # One row per held key: the unique primary key is what lets at most one run hold a key.
@@ -183,4 +216,59 @@ events = Table(
     Column("timed_out", Boolean, nullable=False, server_default=text("false")),
     Column("created_at", Timestamp, nullable=False),
     Index("ix_durable_events_run_name", "run_id", "name"),
+)
+
+# Worker nodes seen by their heartbeats: who is alive, draining, and which queues they consume.
+nodes = Table(
+    "durable_nodes",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("queues", Json, nullable=False),
+    Column("pid", Integer),
+    Column("draining", Boolean, nullable=False, server_default=text("false")),
+    Column("started_at", Timestamp, nullable=False),
+    Column("seen_at", Timestamp, nullable=False),
+)
+
+# Queues an operator paused; a paused queue's steps are handed back until it is resumed.
+queues = Table(
+    "durable_queues",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    Column("updated_at", Timestamp, nullable=False),
+)
+
+# Periodic per-queue samples (ready, running, waiting), kept for a week.
+queue_samples = Table(
+    "durable_queue_samples",
+    metadata,
+    Column("id", AutoId, primary_key=True, autoincrement=True),
+    Column("queue", String(200), nullable=False),
+    Column("ready", Integer, nullable=False),
+    Column("running", Integer, nullable=False),
+    Column("waiting", Integer, nullable=False),
+    Column("oldest_ready_at", Timestamp),
+    Column("at", Timestamp, nullable=False),
+    Index("ix_durable_queue_samples_at", "at"),
+)
+
+# Keyed schedules: their definitions live in the beat scheduler (RedBeat or beat_schedule);
+# this is the state every beat and worker shares: failures in a row, last outcome, disabled.
+schedules = Table(
+    "durable_schedules",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("workflow", String(200), nullable=False),
+    Column("key", String(255)),
+    Column("schedule", String(200), nullable=False),
+    Column("input", Json),
+    Column("enabled", Boolean, nullable=False, server_default=text("true")),
+    Column("failures", Integer, nullable=False, server_default=text("0")),
+    Column("last_outcome", String(40)),
+    Column("last_run_id", String(36)),
+    Column("last_fire_at", Timestamp),
+    Column("disabled_at", Timestamp),
+    Column("created_at", Timestamp, nullable=False),
+    Column("updated_at", Timestamp, nullable=False),
 )
