@@ -4,6 +4,7 @@ from .app import Durable, durable_workflow
 from .context import RunContext, current_run
 from .definition import SendEvent, Step, Workflow
 from .errors import (
+    ChildFailed,
     DurableError,
     InvalidArgument,
     InvalidDefinition,
@@ -35,6 +36,7 @@ __all__ = [
     "Run",
     "StepRecord",
     "DurableError",
+    "ChildFailed",
     "InvalidArgument",
     "InvalidDefinition",
     "InvalidKey",

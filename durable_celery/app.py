@@ -51,6 +51,8 @@ class Settings:
     backoff_base: float = 1.0
     backoff_max: float = 300.0
     publish_retries: int = 2
+    shutdown_grace_period: float = 15.0
+    missing_code_retry: float = 30.0
     upkeep: bool = True
     home: str = EMBEDDED_HOME
 
@@ -81,6 +83,8 @@ class Settings:
             "sweep_interval",
             "backoff_base",
             "backoff_max",
+            "shutdown_grace_period",
+            "missing_code_retry",
         ):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -114,9 +118,10 @@ class Durable:
             )
         self._use_embedded_broker_if_unset()
         app._durable = self  # type: ignore[attr-defined]
-        from .upkeep import install
+        from . import rollout, upkeep
 
-        install(self)
+        upkeep.install(self)
+        rollout.install(self)
         _live.add(self)
         for workflow in _shared:
             if workflow.name is not None:
@@ -159,13 +164,17 @@ class Durable:
         self.workflows[workflow.name] = workflow
         for step in workflow.steps:
             self._register_step(workflow, step)
+        for branch in workflow.branches:
+            if branch.name not in self.workflows:
+                branch.durable = workflow.durable
+                self._register_workflow(branch)
 
     def _register_step(self, workflow: Workflow, step: Step) -> None:
         durable = self
         workflow_name, index = workflow.name, step.index
 
-        def run_step(run_id: str, step: int = index, attempt: int = 1) -> str:
-            return durable.run_message(workflow_name or "", index, run_id)
+        def run_step(run_id: str, step: int = index, attempt: int = 1, phase: str = "step") -> str:
+            return durable.run_message(workflow_name or "", index, run_id, phase == "compensate")
 
         run_step.__name__ = step.name
         run_step.__doc__ = f"Durable step {step.name!r} of workflow {workflow_name!r}."
@@ -183,10 +192,10 @@ class Durable:
         if workflow.name not in self.workflows:
             self._register_workflow(workflow)
 
-    def run_message(self, workflow_name: str, step_index: int, run_id: str) -> str:
-        """Handle a step message as a worker received it."""
+    def run_message(self, workflow_name: str, step_index: int, run_id: str, compensate: bool = False) -> str:
+        """Handle a step (or compensation) message as a worker received it."""
         workflow = self.workflows[workflow_name]
-        return self.engine.execute(workflow, workflow.steps[step_index], run_id)
+        return self.engine.execute(workflow, workflow.steps[step_index], run_id, compensate=compensate)
 
     # -- starting and publishing ------------------------------------------------------------
 
@@ -240,6 +249,7 @@ class Durable:
             "id": str(uuid.uuid4()),
             "workflow": wf.name,
             "status": "pending",
+            "step_name": wf.steps[0].name,
             "input": data,
             "context": {},
             "key": key,
@@ -266,10 +276,22 @@ class Durable:
         return self.publish(wf, step_index, run_id, attempt, key)
 
     def publish(
-        self, workflow: Workflow, step_index: int, run_id: str, attempt: int, key: str | None
+        self,
+        workflow: Workflow,
+        step_index: int,
+        run_id: str,
+        attempt: int,
+        key: str | None,
+        compensate: bool = False,
     ) -> bool:
-        """Send the message for one step; on failure flag the run for the relay."""
+        """Send the message for one step (or its compensation); on failure flag the run for
+        the relay."""
         step = workflow.steps[step_index]
+        kwargs: dict[str, Any] = {"run_id": run_id, "step": step_index, "attempt": attempt}
+        shown = f"{{run_id: {run_id}, key: {key!r}, step: {step.name}, attempt: {attempt}"
+        if compensate:
+            kwargs["phase"] = "compensate"
+            shown += ", phase: compensate"
         queue = workflow.queue_for(step, None)
         options: dict[str, Any] = {"queue": queue} if queue else {}
         policy = {
@@ -281,10 +303,10 @@ class Durable:
         try:
             self.app.send_task(
                 step.task_name,
-                kwargs={"run_id": run_id, "step": step_index, "attempt": attempt},
+                kwargs=kwargs,
                 serializer="json",
                 argsrepr="()",
-                kwargsrepr=f"{{run_id: {run_id}, key: {key!r}, step: {step.name}, attempt: {attempt}}}",
+                kwargsrepr=shown + "}",
                 retry=True,
                 retry_policy=policy,
                 **options,
@@ -354,6 +376,20 @@ class Durable:
     def release_key(self, run_id: str, by: str | None = None) -> None:
         """Free a finished run's key (NotFinished, NoKey otherwise); ``by`` is recorded."""
         control.release_key(self, run_id, by)
+
+    def drain(self) -> None:
+        """Shut this worker down gracefully (e.g. from a preStop hook): stop taking work, give
+        running steps ``shutdown_grace_period`` seconds, then hand the rest back."""
+        from celery.worker import state
+
+        self.engine.drain(self.settings.shutdown_grace_period)
+        state.should_stop = 0  # the worker's loop starts its warm shutdown
+
+    def list_children(self, run_id: str, limit: int = 1000) -> list[Run]:
+        """The child workflows and parallel branches a run started, oldest first."""
+        with self.db.engine.connect() as conn:
+            rows = queries.fetch_runs(conn, parent_id=run_id, limit=limit)
+        return [Run.from_row(row) for row in reversed(rows)]
 
     def send_event(self, run_id: str, name: str, payload: Any = None, buffer: bool = False) -> bool:
         """Deliver event ``name`` to a run waiting for it, or keep it with ``buffer=True``."""

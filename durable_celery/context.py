@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -11,6 +12,7 @@ from .errors import DurableError
 from .waits import MISSING
 
 if TYPE_CHECKING:
+    from .definition import Workflow
     from .engine import ActiveStep
 
 _current: ContextVar[RunContext | None] = ContextVar("durable_current_run", default=None)
@@ -31,6 +33,18 @@ class RunContext:
     _resumed_wait: str | None = field(default=None, repr=False)
     _sleeps: int = field(default=0, repr=False)
     _step_index: int = field(default=0, repr=False)
+    _parent_id: str | None = field(default=None, repr=False)
+    _calls: int = field(default=0, repr=False)
+
+    @property
+    def parent_id(self) -> str | None:
+        """The run that started this one as a child or branch, if any."""
+        return self._parent_id
+
+    def shutting_down(self) -> bool:
+        """True once this worker is shutting down: a long step may stop early and ``snooze``
+        (otherwise it is stopped and handed back when the grace period ends)."""
+        return self._active.engine.draining.is_set()
 
     def heartbeat(self) -> None:
         """Prove this step is alive; raises RunStopped if the run was cancelled or taken over."""
@@ -76,6 +90,32 @@ class RunContext:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
             raise InvalidArgument(f"seconds must be a number >= 0, not {seconds!r}")
         raise Snoozed(float(seconds), reason)
+
+    def call_workflow(
+        self, workflow: str | Workflow, input: Mapping[str, Any] | None = None, *, key: str | None = None
+    ) -> Any:
+        """Start ``workflow`` as a child and wait (worker freed) for its output; raises
+        ChildFailed if it ends any other way. Running this step again never starts it twice."""
+        from .children import call_workflow
+
+        return call_workflow(self, workflow, input, key)
+
+    def start_workflow(
+        self, workflow: str | Workflow, input: Mapping[str, Any] | None = None, *, key: str | None = None
+    ) -> str:
+        """Start ``workflow`` as a child without waiting; returns its id (the same id when
+        this step runs again)."""
+        from .children import start_workflow
+
+        return start_workflow(self, workflow, input, key)
+
+    def parallel(self, calls: Any, *, fail_fast: bool = True) -> Any:
+        """Run branches (``[(workflow, input), ...]`` or ``{name: (workflow, input)}``) at once
+        as their own tasks and wait for all; returns their outputs in the same shape. With
+        ``fail_fast`` the first failed branch cancels the others and raises ChildFailed."""
+        from .children import parallel
+
+        return parallel(self, calls, fail_fast)
 
 
 def current_run() -> RunContext:

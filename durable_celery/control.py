@@ -9,7 +9,7 @@ from sqlalchemy import update
 from . import signals
 from .errors import InvalidArgument, KeyContended, KeyTaken, NoKey, NotFinished, RunNotFound
 from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees
-from .store import activity_rows, event_rows, key_rows, queries
+from .store import activity_rows, child_rows, event_rows, key_rows, queries
 from .store.schema import FINISHED, UNFINISHED, runs
 from .waits import INPUT, check_event
 
@@ -30,7 +30,8 @@ def _run(conn: Connection, run_id: Any) -> Any:
 
 
 def cancel(durable: Durable, run_id: str) -> bool:
-    """Cancel an unfinished run; False if it had finished (or is compensating)."""
+    """Cancel an unfinished run and its unfinished children; False if it had finished (or is
+    compensating)."""
     db = durable.db
     with db.begin() as conn:
         run = _run(conn, run_id)
@@ -48,9 +49,12 @@ def cancel(durable: Durable, run_id: str) -> bool:
         )
         if not done:
             return False
+        children = child_rows.unfinished_children(conn, run_id)
     signals.run_finished.send(sender=durable, run_id=run_id, workflow=run.workflow, status="cancelled")
     if settled is not None:
         settled.after_commit(durable)
+    for child_id in children:  # each in a transaction of its own: key rows before run rows
+        cancel(durable, child_id)
     return True
 
 

@@ -77,6 +77,8 @@ class Step:
     compensate: Callable[..., Any] | None = None
     timeout: float | None = None
     backoff: float | None = None
+    # Attempts a compensation gets, in all (its own count, apart from the step's).
+    compensate_retry: int = 3
 
     @property
     def task_name(self) -> str:
@@ -101,6 +103,8 @@ class Workflow:
     steps: list[Step] = field(default_factory=list)
     durable: Durable | None = None
     shared: bool = False
+    # One-step workflows that parallel step groups run as branches (see ``parallel``).
+    branches: list[Workflow] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
@@ -133,11 +137,16 @@ class Workflow:
         compensate: Callable[..., Any] | None = None,
         timeout: float | None = None,
         backoff: float | None = None,
+        compensate_retry: int = 3,
     ) -> Any:
-        """Add the next step; use as ``@wf.step`` or ``@wf.step(retry=3, queue="slow")``."""
+        """Add the next step; use as ``@wf.step`` or ``@wf.step(retry=3, queue="slow")``.
+
+        ``compensate`` is called (with the run's input) when a later step fails for good;
+        compensations run in reverse order with ``compensate_retry`` attempts each.
+        """
 
         def add(func: Callable[..., Any]) -> Callable[..., Any]:
-            self._add_step(func, name, retry, queue, compensate, timeout, backoff)
+            self._add_step(func, name, retry, queue, compensate, timeout, backoff, compensate_retry)
             return func
 
         return add(fn) if fn is not None else add
@@ -151,6 +160,7 @@ class Workflow:
         compensate: Callable[..., Any] | None,
         timeout: float | None,
         backoff: float | None,
+        compensate_retry: int = 3,
     ) -> None:
         if self.name is None:
             raise InvalidDefinition("name the workflow before adding steps")
@@ -161,10 +171,7 @@ class Workflow:
             raise InvalidDefinition(f"a step name must be letters, digits, '_' or '-': {step_name!r}")
         if any(s.name == step_name for s in self.steps):
             raise InvalidDefinition(f"workflow {self.name!r} already has a step {step_name!r}")
-        if isinstance(retry, bool) or not isinstance(retry, int) or retry < 1:
-            raise InvalidDefinition(f"retry is the number of attempts in all, >= 1, not {retry!r}")
-        _check_seconds("step timeout", timeout)
-        _check_seconds("backoff", backoff)
+        _check_step_options(retry, compensate, compensate_retry, timeout, backoff)
         step = Step(
             fn=fn,
             name=step_name,
@@ -174,6 +181,7 @@ class Workflow:
             compensate=compensate,
             timeout=timeout,
             backoff=backoff,
+            compensate_retry=compensate_retry,
             workflow_name=self.name,
         )
         self.steps.append(step)
@@ -185,6 +193,49 @@ class Workflow:
             for durable in live_durables():
                 if self.name in durable.workflows:
                     durable._register_step(self, step)
+
+    def parallel(
+        self,
+        *fns: Callable[..., Any],
+        name: str | None = None,
+        fail_fast: bool = True,
+        retry: int = 1,
+        queue: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Add a step that runs ``fns`` at once, each as its own task (a branch run with the
+        run's input and a copy of its context), and goes on when all have completed; each
+        branch's return value lands in the context under the function's name. With
+        ``fail_fast`` the first failed branch cancels the others and fails the step."""
+        if self.name is None:
+            raise InvalidDefinition("name the workflow before adding steps")
+        if not fns or not all(callable(fn) for fn in fns):
+            raise InvalidDefinition("parallel() takes one or more functions")
+        names = [fn.__name__ for fn in fns]
+        if len(set(names)) != len(names):
+            raise InvalidDefinition(f"parallel branches need distinct names, got {names}")
+        group = name or "parallel_" + "_".join(names)
+        branches: dict[str, Workflow] = {}
+        for fn in fns:
+            branch = Workflow(
+                name=f"{self.name}.{fn.__name__}", queue=queue or self.queue, shared=self.shared
+            )
+            branch._add_step(fn, None, retry, None, None, timeout, None)
+            branches[fn.__name__] = branch
+        self.branches.extend(branches.values())
+        if self.durable is not None:
+            for branch in branches.values():
+                self.durable._register_workflow(branch)
+
+        def fan_out(**_input: Any) -> None:
+            from .children import parallel
+            from .context import current_run
+
+            run = current_run()
+            calls = {b: (wf, run.input) for b, wf in branches.items()}
+            run.context.update(parallel(run, calls, fail_fast, context=run.context))
+
+        self._add_step(fan_out, group, 1, queue, None, None, None)
 
     def __call__(self, fn: Callable[..., Any]) -> Workflow:
         """Decorate a function: it becomes the first step, and names the workflow if unnamed."""
@@ -239,9 +290,25 @@ class Workflow:
             raise InvalidStart(f"workflow {self.name!r} requires a key")
         return key
 
+    def compensation_before(self, index: int) -> Step | None:
+        """The nearest step before ``index`` that has a compensation (they run in reverse)."""
+        return next((s for s in reversed(self.steps[:index]) if s.compensate is not None), None)
+
     def queue_for(self, step: Step, default: str | None) -> str | None:
         """Where a step's messages go: the step's queue, the workflow's, or the app default."""
         return step.queue or self.queue or default
+
+
+def _check_step_options(
+    retry: Any, compensate: Any, compensate_retry: Any, timeout: Any, backoff: Any
+) -> None:
+    for what, count in (("retry", retry), ("compensate_retry", compensate_retry)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidDefinition(f"{what} is the number of attempts in all, >= 1, not {count!r}")
+    if compensate is not None and not callable(compensate):
+        raise InvalidDefinition(f"compensate must be callable, not {compensate!r}")
+    _check_seconds("step timeout", timeout)
+    _check_seconds("backoff", backoff)
 
 
 def _check_seconds(what: str, value: Any) -> None:

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 from . import signals
 from .context import RunContext, enter, leave
 from .definition import Step, Workflow
-from .errors import RunStopped, StepTimeout
-from .keys import settle_waiting_txn
-from .store import activity_rows, event_rows, key_rows, queries
+from .errors import DurableError, RunStopped, StepTimeout
+from .keys import settle_waiting_txn, wake_parent_txn
+from .rollout import definition_changed
+from .store import activity_rows, child_rows, event_rows, key_rows, queries
 from .store.db import Clock, utcnow
 from .waits import Parked, Snoozed
 
@@ -41,6 +42,13 @@ class StepFenced(RunStopped):
         super().__init__(reason)
 
 
+class StepShutdown(RunStopped):
+    """The worker is shutting down and the grace period is over: the run is handed back."""
+
+    def __init__(self, reason: str = "shutdown") -> None:
+        super().__init__(reason)
+
+
 class StepTimedOut(RunStopped):
     """The step ran past its timeout."""
 
@@ -48,10 +56,14 @@ class StepTimedOut(RunStopped):
         super().__init__(reason)
 
 
+# Statuses a step or compensation can end a run in.
+ENDED = ("completed", "failed", "compensated", "compensation_failed")
+
 _STOPS: dict[str, type[RunStopped]] = {
     "cancelled": StepCancelled,
     "fenced": StepFenced,
     "timeout": StepTimedOut,
+    "shutdown": StepShutdown,
 }
 
 
@@ -67,8 +79,11 @@ def error_record(exc: BaseException) -> dict[str, Any]:
 class ActiveStep:
     """A step running on this process: its lock token, deadline and how to stop it."""
 
-    def __init__(self, engine: Engine, run_id: str, fence: int, timeout: float | None) -> None:
+    def __init__(
+        self, engine: Engine, run_id: str, fence: int, timeout: float | None, compensate: bool = False
+    ) -> None:
         self.engine = engine
+        self.compensate = compensate  # compensations are never stopped for a shutdown
         self.run_id = run_id
         self.fence = fence
         self.thread_id = threading.get_ident()
@@ -178,14 +193,26 @@ class Engine:
         self.heartbeater = Heartbeater(self)
         self.node = f"{socket.gethostname()}:{os.getpid()}"
         self.fenced_count = 0
+        self.draining = threading.Event()  # set once this worker is shutting down
+        self._drains = 0
 
     # -- messages -------------------------------------------------------------------------
 
-    def execute(self, workflow: Workflow, step: Step, run_id: str, node: str | None = None) -> str:
-        """Handle one step message; returns what happened ('done', 'dropped', 'fenced', ...)."""
+    def execute(
+        self,
+        workflow: Workflow,
+        step: Step,
+        run_id: str,
+        node: str | None = None,
+        compensate: bool = False,
+    ) -> str:
+        """Handle one step (or compensation) message; returns what happened ('completed',
+        'dropped', 'fenced', ...)."""
         node = node or f"{self.node}:{threading.get_ident()}"
         with self.db.single() as conn:
-            row = queries.claim_run(self.db, conn, run_id, step.index, node, workflow.timeout)
+            row = queries.claim_run(
+                self.db, conn, run_id, step.index, node, workflow.timeout, compensate=compensate
+            )
         if row is None:
             log.debug("durable: dropped message for run %s step %s", run_id, step.name)
             return "dropped"
@@ -197,9 +224,10 @@ class Engine:
             attempt=row.attempt,
             key=row.key,
             step=step.name,
-            _active=ActiveStep(self, row.id, row.fence, step.timeout),
+            _active=ActiveStep(self, row.id, row.fence, step.timeout, compensate),
             _resumed_wait=row.wait_name,
             _step_index=step.index,
+            _parent_id=row.parent_id,
         )
         started = utcnow()
         signals.step_started.send(
@@ -209,16 +237,22 @@ class Engine:
             step=step.name,
             attempt=row.attempt,
         )
+        if row.step_name is not None and row.step_name != step.name:
+            return self._definition_changed(workflow, step, row, ctx, started)
+        if compensate:
+            outcome = self._call(step, ctx, compensate=True)
+            return self._record_compensation(workflow, step, row, ctx, outcome, started)
         outcome = self._call(step, ctx)
         return self._record(workflow, step, row, ctx, outcome, started)
 
-    def _call(self, step: Step, ctx: RunContext) -> Outcome:
+    def _call(self, step: Step, ctx: RunContext, compensate: bool = False) -> Outcome:
         active = ctx._active
         self.heartbeater.add(active)
         token = enter(ctx)
         outcome = Outcome()
+        fn = step.compensate if compensate and step.compensate is not None else step.fn
         try:
-            outcome.value = step.fn(**ctx.input)
+            outcome.value = fn(**ctx.input)
         except RunStopped as exc:
             outcome.stopped = active.stop_reason or exc.reason
         except Parked as parked:
@@ -234,6 +268,9 @@ class Engine:
         if outcome.stopped == "timeout":
             outcome.stopped = None
             outcome.error = StepTimeout(f"step {step.name!r} ran past its timeout of {step.timeout}s")
+        if compensate and outcome.parked is not None:
+            outcome.parked = None
+            outcome.error = DurableError("a compensation cannot wait (sleep, events, input, children)")
         return outcome
 
     def beat(self, active: ActiveStep) -> str | None:
@@ -273,7 +310,7 @@ class Engine:
             "started_at": started,
             "finished_at": utcnow(),
         }
-        run_values, status = self._next_state(step, row, ctx, outcome, last)
+        run_values, status = self._next_state(workflow, step, row, ctx, outcome, last)
         if outcome.error is None:
             step_row.update(status="completed", output=outcome.value)
         else:
@@ -290,13 +327,19 @@ class Engine:
             status=step_row["status"],
             duration=(step_row["finished_at"] - started).total_seconds(),
         )
-        if status in ("completed", "failed"):
+        self._after_write(workflow, row, status, run_values)
+        return status
+
+    def _after_write(self, workflow: Workflow, row: Any, status: str, run_values: dict[str, Any]) -> None:
+        """Signal a finished run, or send the message for what the run does next."""
+        if status in ENDED:
             signals.run_finished.send(
                 sender=self.durable, run_id=row.id, workflow=row.workflow, status=status
             )
-        elif outcome.error is None:
-            self.durable.publish(workflow, step.index + 1, row.id, 1, row.key)
-        return status
+        elif status in ("running", "compensating") and run_values.get("published"):
+            index = run_values["step_index"]
+            compensate = status == "compensating"
+            self.durable.publish(workflow, index, row.id, 1, row.key, compensate=compensate)
 
     def _write(
         self,
@@ -307,9 +350,9 @@ class Engine:
         step_row: dict[str, Any],
     ) -> tuple[bool, int | None]:
         """Write the step's outcome and the run's next state: (recorded, fence if not)."""
-        finishing = status in ("completed", "failed")
+        finishing = status in ENDED
         settled = None
-        if self.db.is_postgres and not (finishing and row.key):
+        if self.db.is_postgres and not (finishing and (row.key or row.parent_id)):
             with self.db.single() as conn:  # one statement, committed on its own
                 recorded = queries.record_step(self.db, conn, row.id, row.fence, run_values, step_row)
                 fence_now = None if recorded else queries.run_fence(conn, row.id)
@@ -321,12 +364,14 @@ class Engine:
                 fence_now = None if recorded else queries.run_fence(conn, row.id)
                 if recorded and key_row is not None:
                     settled = settle_waiting_txn(self.durable, conn, key_row, status, workflow)
+                if recorded and finishing and row.parent_id is not None:
+                    settled = wake_parent_txn(self.durable, conn, row.id, settled)
         if settled is not None:
             settled.after_commit(self.durable)
         return recorded, fence_now
 
     def _next_state(
-        self, step: Step, row: Any, ctx: RunContext, outcome: Outcome, last: bool
+        self, workflow: Workflow, step: Step, row: Any, ctx: RunContext, outcome: Outcome, last: bool
     ) -> tuple[dict[str, Any], str]:
         if outcome.error is None and last:
             values = {
@@ -340,6 +385,7 @@ class Engine:
         if outcome.error is None:
             values = {
                 "step_index": step.index + 1,
+                "step_name": workflow.steps[step.index + 1].name,
                 "attempt": 1,
                 "attempt_base": 0,
                 "losses": 0,
@@ -357,6 +403,21 @@ class Engine:
                 "published": False,
             }
             return values, "retrying"
+        undo = workflow.compensation_before(step.index)
+        if undo is not None:
+            values = {
+                "status": "compensating",
+                "error": error_record(outcome.error),
+                "step_index": undo.index,
+                "step_name": undo.name,
+                "attempt": 1,
+                "attempt_base": 0,
+                "losses": 0,
+                "context": ctx.context,
+                "due_at": Clock(),
+                "published": True,
+            }
+            return values, "compensating"
         values = {
             "status": "failed",
             "error": error_record(outcome.error),
@@ -365,13 +426,123 @@ class Engine:
         }
         return values, "failed"
 
+    # -- compensations ---------------------------------------------------------------------
+
+    def _record_compensation(
+        self, workflow: Workflow, step: Step, row: Any, ctx: RunContext, outcome: Outcome, started: Any
+    ) -> str:
+        """Record one compensation attempt; go on to the one before, retry, or end the run."""
+        if outcome.stopped is not None:
+            return self._stopped(workflow, step, row, outcome.stopped)
+        if outcome.snoozed is not None:
+            return self._snooze(workflow, step, row, outcome.snoozed)
+        step_row = {
+            "step_index": step.index,
+            "phase": "compensate",
+            "name": step.name,
+            "attempt": row.attempt,
+            "input": ctx.input,
+            "worker": self.node,
+            "started_at": started,
+            "finished_at": utcnow(),
+        }
+        if outcome.error is None:
+            step_row.update(status="completed", output=_json_or_none(outcome.value))
+            before = workflow.compensation_before(step.index)
+            if before is None:
+                run_values: dict[str, Any] = {"status": "compensated", "finished_at": Clock(), "due_at": None}
+            else:
+                run_values = {"step_index": before.index, "step_name": before.name, "attempt": 1, "losses": 0}
+                run_values.update(due_at=Clock(), published=True)
+        else:
+            step_row.update(status="failed", error=error_record(outcome.error))
+            if row.attempt < step.compensate_retry:
+                delay = self.durable.backoff(step, row.attempt)
+                run_values = {
+                    "attempt": row.attempt + 1,
+                    "losses": 0,
+                    "due_at": Clock(delay),
+                    "published": False,
+                }
+            else:
+                run_values = {"status": "compensation_failed", "finished_at": Clock(), "due_at": None}
+        status = run_values.get("status", "compensating")
+        recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
+        if not recorded:
+            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+        self._after_write(workflow, row, status, run_values)
+        return status
+
     def _park(self, workflow: Workflow, step: Step, row: Any, parked: Parked) -> str:
         with self.db.begin() as conn:
             done = event_rows.park_txn(self.db, conn, row.id, row.fence, parked.name, parked.timeout)
+            if done and parked.children:
+                child_rows.due_if_any_finished_txn(self.db, conn, row.id, parked.children)
             fence_now = None if done else queries.run_fence(conn, row.id)
         if not done:
             return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
         return "waiting"
+
+    def _definition_changed(
+        self, workflow: Workflow, step: Step, row: Any, ctx: RunContext, started: Any
+    ) -> str:
+        """The run's current step is not this one any more (renamed or removed): fail the run,
+        without compensation; ``retry`` resumes it once the step is back."""
+        error = definition_changed(workflow.name or "", row.step_name)
+        step_row = {
+            "step_index": row.step_index,
+            "name": row.step_name,
+            "attempt": row.attempt,
+            "status": "failed",
+            "error": error,
+            "input": ctx.input,
+            "worker": self.node,
+            "started_at": started,
+            "finished_at": utcnow(),
+        }
+        values = {"status": "failed", "error": error, "finished_at": Clock(), "due_at": None}
+        recorded, fence_now = self._write(workflow, row, "failed", values, step_row)
+        if not recorded:
+            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+        self._after_write(workflow, row, "failed", values)
+        return "definition_changed"
+
+    def _hand_back_for_shutdown(self, workflow: Workflow, step: Step, row: Any) -> str:
+        """The grace period is over: give the run back, due now, for another worker."""
+        with self.db.begin() as conn:
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, 0)
+            if done:
+                details = {"step": step.name, "node": self.node}
+                activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
+            fence_now = None if done else queries.run_fence(conn, row.id)
+        if not done:
+            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+        log.warning("durable: worker shutting down; run %s step %s handed back", row.id, step.name)
+        return "handed_back"
+
+    def drain(self, grace: float) -> None:
+        """Start a graceful shutdown: steps see ``shutting_down()``; those still running after
+        ``grace`` seconds are stopped and their runs handed back (compensations run on)."""
+        if self.draining.is_set():
+            return
+        self.draining.set()
+        log.warning("durable: draining; running steps get %.0fs to finish", grace)
+        timer = threading.Timer(grace, self._stop_running_steps, (self._drains,))
+        timer.daemon = True
+        timer.start()
+
+    def undrain(self) -> None:
+        """A worker (re)starts in this process: steps are no longer shutting down."""
+        self._drains += 1
+        self.draining.clear()
+
+    def _stop_running_steps(self, drain: int) -> None:
+        if drain != self._drains or not self.draining.is_set():
+            return  # a worker started again in this process meanwhile
+        with self.heartbeater._lock:
+            running = [s for s in self.heartbeater.active if not s.compensate]
+        for step in running:
+            step.interrupt("shutdown")
 
     def _snooze(self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed) -> str:
         with self.db.begin() as conn:
@@ -392,6 +563,8 @@ class Engine:
         return "snoozed"
 
     def _stopped(self, workflow: Workflow, step: Step, row: Any, reason: str) -> str:
+        if reason == "shutdown":
+            return self._hand_back_for_shutdown(workflow, step, row)
         if reason == "fenced":
             self.fenced_count += 1
             log.warning("durable: run %s step %s was taken over; result dropped", row.id, step.name)
@@ -399,6 +572,16 @@ class Engine:
                 sender=self.durable, run_id=row.id, workflow=workflow.name, step=step.name
             )
         return reason
+
+
+def _json_or_none(value: Any) -> Any:
+    import json
+
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return value
 
 
 def _stop_reason(fence_now: int | None, fence: int) -> str:

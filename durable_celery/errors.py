@@ -78,6 +78,15 @@ class StepTimeout(DurableError):
     """A step ran longer than its ``timeout``."""
 
 
+class ChildFailed(DurableError):
+    """A child workflow or parallel branch ended without completing."""
+
+    def __init__(self, child_id: str, status: str, error: dict[str, object] | None) -> None:
+        self.child_id, self.status, self.error = child_id, status, error
+        reason = (error or {}).get("message") or status
+        super().__init__(f"child run {child_id} ended {status}: {reason}")
+
+
 __all__ = [
     "DurableError",
     "NotConfigured",
@@ -94,4 +103,5 @@ __all__ = [
     "Unsupported",
     "RunStopped",
     "StepTimeout",
+    "ChildFailed",
 ]

@@ -15,7 +15,7 @@ from sqlalchemy import Connection, case, update
 from . import signals
 from .definition import SendEvent, Workflow
 from .errors import DurableError, KeyContended, KeyTaken
-from .store import activity_rows, event_rows, key_rows, queries
+from .store import activity_rows, child_rows, event_rows, key_rows, queries
 from .store.schema import UNFINISHED, runs
 
 if TYPE_CHECKING:
@@ -140,6 +140,7 @@ class KeyDecision:
                 "traceback": None,
             }
             queries.cancel_run_txn(self.db, self.conn, holder.holder_id, reason, UNFINISHED)
+            wake_parent_txn(self.durable, self.conn, holder.holder_id, decision)
             if holder.waiting_id:
                 queries.cancel_run_txn(self.db, self.conn, holder.waiting_id, reason, UNFINISHED)
                 decision.notices.append(
@@ -376,4 +377,18 @@ def end_run_txn(
     key_row = key_rows.key_of_holder_txn(conn, run.id) if run.key else None
     if not end(conn):
         return False, None
-    return True, settle_waiting_txn(durable, conn, key_row, status, durable.workflows.get(run.workflow))
+    settled = settle_waiting_txn(durable, conn, key_row, status, durable.workflows.get(run.workflow))
+    return True, wake_parent_txn(durable, conn, run.id, settled)
+
+
+def wake_parent_txn(
+    durable: Durable, conn: Connection, child_id: str, decision: Decision | None
+) -> Decision | None:
+    """Inside the transaction that finished ``child_id``: wake its parent if it waits for its
+    children; returns ``decision`` (or a new one) carrying the parent's message."""
+    woken = child_rows.wake_parent_txn(durable.db, conn, child_id)
+    if woken is None:
+        return decision
+    decision = decision or Decision(child_id)
+    decision.publish.append(tuple(woken))  # type: ignore[arg-type]
+    return decision

@@ -67,6 +67,8 @@ class StepRecord:
     worker: str | None
     started_at: datetime
     finished_at: datetime
+    # "step" for the step's own attempts, "compensate" for its compensation's.
+    phase: str = "step"
 
     @classmethod
     def from_row(cls, row: Any) -> StepRecord:

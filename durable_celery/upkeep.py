@@ -17,6 +17,7 @@ from sqlalchemy import Connection
 from . import signals
 from .keys import end_run_txn
 from .observe import ACTIVITY_KEPT
+from .rollout import fail_changed
 from .store import activity_rows, queries
 from .store.db import utcnow
 from .store.schema import runs
@@ -47,10 +48,21 @@ def relay_once(durable: Durable) -> int:
             )
         for row in rows:
             workflow = durable.workflows[row.workflow]
-            if row.step_index < len(workflow.steps):
-                sent += durable.publish(workflow, row.step_index, row.id, row.attempt, row.key)
+            if not _has_step(workflow, row.step_index, row.step_name):  # renamed or removed
+                fail_changed(durable, row.id, row.workflow, row.step_name, row.step_index)
+            else:
+                compensate = row.status == "compensating"
+                sent += durable.publish(
+                    workflow, row.step_index, row.id, row.attempt, row.key, compensate=compensate
+                )
         if len(rows) < RELAY_BATCH:
             return sent
+
+
+def _has_step(workflow: Any, index: int, name: str | None) -> bool:
+    if index >= len(workflow.steps):
+        return False
+    return name is None or workflow.steps[index].name == name
 
 
 def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
@@ -73,7 +85,8 @@ def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
             return queries.take_back_stale_txn(db, conn, run, s.stale_lock_timeout, fail_with)
 
         if lost_for_good:
-            if _end(durable, run, "failed", take_back):
+            ended = "compensation_failed" if run.status == "compensating" else "failed"
+            if _end(durable, run, ended, take_back):
                 failed.append(run.id)
             continue
         with db.begin() as conn:
@@ -179,5 +192,16 @@ def install(durable: Durable) -> None:
 
         def create(self, worker: Any) -> Upkeep:
             return Upkeep(durable)
+
+        def start(self, worker: Any) -> None:
+            durable.engine.undrain()
+            super().start(worker)
+
+        def stop(self, worker: Any) -> None:
+            # Steps stop in reverse order: the consumer has stopped taking work, the pool
+            # (stopped after this) waits for running steps; those still running after the
+            # grace period are handed back.
+            durable.engine.drain(durable.settings.shutdown_grace_period)
+            super().stop(worker)
 
     durable.app.steps["worker"].add(DurableUpkeep)

@@ -23,10 +23,11 @@ MISSING: Any = object()
 class Parked(BaseException):
     """Unwinds a step that waits; the engine parks the run. Never catch it."""
 
-    def __init__(self, name: str, timeout: float | None) -> None:
+    def __init__(self, name: str, timeout: float | None, children: list[str] | None = None) -> None:
         super().__init__(name)
         self.name = name
         self.timeout = timeout
+        self.children = children or []  # unfinished children the run waits for
 
 
 class Snoozed(BaseException):

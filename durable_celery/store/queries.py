@@ -15,6 +15,10 @@ from .schema import keys, runs, steps
 
 # A waiting run is claimable once due: its timeout passed or its event came.
 CLAIMABLE = ("pending", "running", "waiting")
+# A run a worker may hold: running a step, or running a compensation.
+HELD = ("running", "compensating")
+# Runs the relay sends messages for: claimable ones and compensating ones.
+RELAYED = (*CLAIMABLE, "compensating")
 
 # Columns a worker needs to run a step; returned by the claim itself, so a claim is one statement.
 _CLAIM_COLUMNS = (
@@ -24,6 +28,7 @@ _CLAIM_COLUMNS = (
     runs.c.context,
     runs.c.key,
     runs.c.step_index,
+    runs.c.step_name,
     runs.c.attempt,
     runs.c.attempt_base,
     runs.c.fence,
@@ -52,10 +57,13 @@ def fetch_runs(
     workflow: str | None = None,
     key: str | None = None,
     status: str | Sequence[str] | None = None,
+    parent_id: str | None = None,
     limit: int = 100,
 ) -> Sequence[Any]:
     """Runs matching the filters, newest first."""
     query = select(runs, _HOLDS_KEY)
+    if parent_id is not None:
+        query = query.where(runs.c.parent_id == parent_id)
     if workflow is not None:
         query = query.where(runs.c.workflow == workflow)
     if key is not None:
@@ -71,13 +79,20 @@ def fetch_runs(
 def fetch_steps(conn: Connection, run_id: str) -> Sequence[Any]:
     """Every recorded step attempt of a run, in order."""
     query = select(steps).where(steps.c.run_id == run_id)
-    return conn.execute(query.order_by(steps.c.step_index, steps.c.attempt)).all()
+    return conn.execute(query.order_by(steps.c.id)).all()
 
 
 def claim_run(
-    db: Database, conn: Connection, run_id: str, step_index: int, node: str, timeout: float | None = None
+    db: Database,
+    conn: Connection,
+    run_id: str,
+    step_index: int,
+    node: str,
+    timeout: float | None = None,
+    compensate: bool = False,
 ) -> Row[Any] | None:
-    """Take the run for one step if it is due and unlocked; bumps the fencing token."""
+    """Take the run for one step (or, with ``compensate``, one compensation) if it is due and
+    unlocked; bumps the fencing token. A compensating run keeps its status."""
 
     def build() -> Any:
         now = db.clock_expression("p_now", Clock())
@@ -86,17 +101,18 @@ def claim_run(
         deadline: Any = runs.c.deadline_at
         if timeout:
             deadline = func.coalesce(runs.c.deadline_at, db.clock_expression("p_deadline", Clock(1)))
+        statuses = ("compensating",) if compensate else CLAIMABLE
         return (
             update(runs)
             .where(
                 runs.c.id == bindparam("p_id"),
                 runs.c.step_index == bindparam("p_step"),
-                runs.c.status.in_(CLAIMABLE),
+                runs.c.status.in_(statuses),
                 runs.c.locked_by.is_(None),
                 runs.c.due_at <= now,
             )
             .values(
-                status="running",
+                status="compensating" if compensate else "running",
                 fence=runs.c.fence + 1,
                 locked_by=bindparam("p_node"),
                 heartbeat_at=now,
@@ -110,7 +126,7 @@ def claim_run(
 
     clocks = {"p_now": Clock(), **({"p_deadline": Clock(timeout)} if timeout else {})}
     params = {"p_id": run_id, "p_step": step_index, "p_node": node, **db.clock_params(clocks)}
-    return conn.execute(db.statement(("claim", bool(timeout)), build), params).first()
+    return conn.execute(db.statement(("claim", bool(timeout), compensate), build), params).first()
 
 
 def heartbeat_run(db: Database, conn: Connection, run_id: str, fence: int) -> bool:
@@ -132,7 +148,9 @@ def _held_run_update(set_values: dict[str, Any]) -> Any:
     return (
         update(runs)
         .where(
-            runs.c.id == bindparam("p_id"), runs.c.fence == bindparam("p_fence"), runs.c.status == "running"
+            runs.c.id == bindparam("p_id"),
+            runs.c.fence == bindparam("p_fence"),
+            runs.c.status.in_(HELD),
         )
         .values(**set_values)
     )
@@ -234,8 +252,16 @@ def take_due_runs_txn(
     never_sent = and_(runs.c.published.is_(False), runs.c.due_at <= now)
     lost = and_(runs.c.published.is_(True), runs.c.due_at <= db.later(-relay_after))
     query = (
-        select(runs.c.id, runs.c.workflow, runs.c.step_index, runs.c.attempt, runs.c.key)
-        .where(due, or_(never_sent, lost), runs.c.status.in_(CLAIMABLE), *where)
+        select(
+            runs.c.id,
+            runs.c.workflow,
+            runs.c.step_index,
+            runs.c.step_name,
+            runs.c.attempt,
+            runs.c.key,
+            runs.c.status,
+        )
+        .where(due, or_(never_sent, lost), runs.c.status.in_(RELAYED), *where)
         .order_by(runs.c.due_at)
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -257,11 +283,19 @@ def mark_unsent(conn: Connection, run_ids: Sequence[str]) -> None:
 def stale_runs(db: Database, conn: Connection, stale_after: float, limit: int) -> Sequence[Any]:
     """Runs locked by a worker that has not heart-beaten for ``stale_after`` seconds."""
     query = (
-        select(runs.c.id, runs.c.workflow, runs.c.key, runs.c.fence, runs.c.losses)
+        select(
+            runs.c.id,
+            runs.c.workflow,
+            runs.c.key,
+            runs.c.fence,
+            runs.c.losses,
+            runs.c.status,
+            runs.c.parent_id,
+        )
         .where(
             runs.c.locked_by.is_not(None),
             runs.c.heartbeat_at < db.later(-stale_after),
-            runs.c.status == "running",
+            runs.c.status.in_(HELD),
         )
         .limit(limit)
     )
@@ -284,7 +318,8 @@ def take_back_stale_txn(
     if fail_with is None:
         values.update(due_at=db.now(), published=False)
     else:
-        values.update(status="failed", error=fail_with, finished_at=db.now(), due_at=None)
+        status = "compensation_failed" if run.status == "compensating" else "failed"
+        values.update(status=status, error=fail_with, finished_at=db.now(), due_at=None)
     query = (
         update(runs)
         .where(
@@ -301,7 +336,7 @@ def take_back_stale_txn(
 def overdue_runs(db: Database, conn: Connection, limit: int) -> Sequence[Any]:
     """Unfinished runs past their workflow timeout."""
     query = (
-        select(runs.c.id, runs.c.workflow, runs.c.key)
+        select(runs.c.id, runs.c.workflow, runs.c.key, runs.c.parent_id)
         .where(
             runs.c.deadline_at < db.now(),
             runs.c.finished_at.is_(None),
@@ -348,3 +383,35 @@ def count_runs_by_status(conn: Connection) -> dict[tuple[str, str], int]:
     """How many runs each workflow has in each status."""
     query = select(runs.c.workflow, runs.c.status, func.count()).group_by(runs.c.workflow, runs.c.status)
     return {(w, s): n for w, s, n in conn.execute(query)}
+
+
+def defer_unclaimed_txn(db: Database, conn: Connection, run_id: str, step_index: int, seconds: float) -> bool:
+    """A worker lacks the run's code: make the run due again in ``seconds``, unsent."""
+    query = (
+        update(runs)
+        .where(
+            runs.c.id == run_id,
+            runs.c.step_index == step_index,
+            runs.c.status.in_(CLAIMABLE),
+            runs.c.locked_by.is_(None),
+        )
+        .values(due_at=db.later(seconds), published=False)
+    )
+    return bool(conn.execute(query).rowcount == 1)
+
+
+def fail_unclaimed_txn(
+    db: Database, conn: Connection, run_id: str, step_index: int, error: dict[str, Any]
+) -> bool:
+    """Fail a run that no worker holds, at step ``step_index`` (its step is gone)."""
+    query = (
+        update(runs)
+        .where(
+            runs.c.id == run_id,
+            runs.c.step_index == step_index,
+            runs.c.status.in_(CLAIMABLE),
+            runs.c.locked_by.is_(None),
+        )
+        .values(status="failed", error=error, finished_at=db.now(), due_at=None, published=False)
+    )
+    return bool(conn.execute(query).rowcount == 1)

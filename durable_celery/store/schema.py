@@ -55,8 +55,10 @@ runs = Table(
     Column("queue", String(200)),
     # W3C traceparent of the run's trace: every step attempt is a span in it.
     Column("trace_parent", String(64)),
-    # Which step is next or running, and its attempt (1-based).
+    # Which step is next or running (its index and name), and its attempt (1-based). The name
+    # tells a renamed or removed step (definition_changed) from a new build's step at that index.
     Column("step_index", Integer, nullable=False, server_default=text("0")),
+    Column("step_name", String(200)),
     Column("attempt", Integer, nullable=False, server_default=text("1")),
     # Attempts before this count toward an earlier round: a manual retry starts a new round.
     Column("attempt_base", Integer, nullable=False, server_default=text("0")),

@@ -187,3 +187,75 @@ def test_cancel_reaches_a_waiting_run_at_once(durable):
     assert resumed == []
     assert durable.get_run(run_id).status == "cancelled"
     assert durable.list_steps(run_id) == []
+
+
+def test_send_event_reaches_a_waiting_run_and_only_buffered_events_are_kept(durable):
+    wf = durable.workflow("approval")
+    before_wait: list[int] = []
+
+    @wf.step
+    def approve(n):
+        before_wait.append(n)
+        first = current_run().wait_for_event("approved")
+        second = current_run().wait_for_event("shipped")
+        return [first, second]
+
+    with worker(durable):
+        run_id = durable.start(wf, {"n": 1})
+        assert durable.send_event(run_id, "shipped", {"box": 1}) is False  # not waiting: dropped
+        wait_for(durable, run_id, statuses=("waiting",))
+        assert durable.send_event(run_id, "approved", {"by": "ann"}) is True
+        _wait_until(lambda: durable.get_run(run_id).status == "waiting" and len(before_wait) == 2)
+        # one event per name: a second "approved" is kept but never read
+        assert durable.send_event(run_id, "approved", {"by": "bob"}, buffer=True) is True
+        assert durable.send_event(run_id, "shipped", {"box": 2}) is True
+        run = wait_for(durable, run_id)
+    assert run.output == [{"by": "ann"}, {"box": 2}]
+    assert durable.send_event(run_id, "approved", {}) is False  # finished
+
+
+def test_a_wait_that_times_out_without_timeout_value_fails_the_step(durable):
+    wf = durable.workflow("deadline")
+
+    @wf.step
+    def wait():
+        current_run().wait_for_event("never", timeout=0.3)
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf))
+    assert run.status == "failed" and run.error["type"] == "EventTimeout"
+
+
+def test_a_completed_wait_is_not_repeated_and_work_after_it_runs_once(durable):
+    """The replay promise: an earlier step never runs again, a wait already come through
+    returns its stored value at once, and what follows the last wait runs exactly once."""
+    effects: list[str] = []
+    wf = durable.workflow("signup_flow")
+
+    @wf.step
+    def create_account(email):
+        effects.append("account")
+
+    @wf.step
+    def confirm(email):
+        code = current_run().wait_for_input("code")
+        effects.append(f"checked {code}")  # runs again on the next resume: idempotent reads only
+        current_run().sleep(0.2)
+        effects.append("welcome mail")
+        return code
+
+    with worker(durable):
+        run_id = durable.start(wf, {"email": "a@b"})
+        wait_for(durable, run_id, statuses=("waiting",))
+        durable.provide_input(run_id, "code", "1234")
+        run = wait_for(durable, run_id)
+    assert run.output == "1234"
+    assert effects.count("account") == 1 and effects.count("welcome mail") == 1
+    assert effects == ["account", "checked 1234", "checked 1234", "welcome mail"]
+
+
+def _wait_until(condition, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)

@@ -67,6 +67,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("name", name=op.f("pk_durable_schedules")),
     )
     with op.batch_alter_table("durable_runs", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("step_name", sa.String(length=200), nullable=True))
         batch_op.add_column(sa.Column("parent_ref", sa.String(length=200), nullable=True))
         batch_op.add_column(sa.Column("queue", sa.String(length=200), nullable=True))
         batch_op.add_column(sa.Column("trace_parent", sa.String(length=64), nullable=True))
@@ -100,7 +101,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.batch_alter_table("durable_steps", schema=None) as batch_op:
         batch_op.drop_index("ux_durable_steps_run_step_phase_attempt")
-        batch_op.create_index("ux_durable_steps_run_step_attempt", ["run_id", "step_index", "attempt"], unique=True)
+        batch_op.create_index(
+            "ux_durable_steps_run_step_attempt", ["run_id", "step_index", "attempt"], unique=True
+        )
         batch_op.drop_column("logs")
         batch_op.drop_column("phase")
     with op.batch_alter_table("durable_runs", schema=None) as batch_op:
@@ -109,6 +112,7 @@ def downgrade() -> None:
         batch_op.drop_column("trace_parent")
         batch_op.drop_column("queue")
         batch_op.drop_column("parent_ref")
+        batch_op.drop_column("step_name")
     op.drop_table("durable_schedules")
     op.drop_table("durable_queues")
     op.drop_index("ix_durable_queue_samples_at", table_name="durable_queue_samples")

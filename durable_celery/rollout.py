@@ -1,0 +1,92 @@
+"""Rolling out new code: a worker may get a step message for code it does not have.
+
+A worker that lacks the whole workflow (an older build) hands the run back: it is due again in
+``missing_code_retry`` seconds (30 by default), and only the relay of a node that knows the workflow sends it
+then, so the run waits for a worker with the code until its timeout or a cancel. A worker that
+knows the workflow but not the step (renamed or removed) fails the run with
+``definition_changed`` (no compensation); ``retry`` resumes it once the step is back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from celery import signals as celery_signals
+
+from . import signals
+from .keys import end_run_txn
+from .store import activity_rows, queries
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+log = logging.getLogger("durable_celery")
+
+PREFIX = "durable."
+
+
+def definition_changed(workflow: str, step: str) -> dict[str, Any]:
+    """The error a run gets when its current step is not in the workflow any more."""
+    return {
+        "type": "definition_changed",
+        "message": f"workflow {workflow!r} has no step {step!r} any more; retry once it is back",
+        "traceback": None,
+    }
+
+
+def handle_unknown_step(durable: Durable, task_name: str, kwargs: dict[str, Any]) -> str | None:
+    """A step message this worker has no task for: hand the run back or fail it. Returns what
+    was done ('deferred', 'definition_changed'), or None when it was not for a durable run."""
+    run_id, index = kwargs.get("run_id"), kwargs.get("step")
+    if not task_name.startswith(PREFIX) or not isinstance(run_id, str) or not isinstance(index, int):
+        return None
+    workflow, _, step = task_name[len(PREFIX) :].rpartition(".")
+    if workflow in durable.workflows:
+        return "definition_changed" if fail_changed(durable, run_id, workflow, step, index) else None
+    with durable.db.begin() as conn:
+        retry_in = durable.settings.missing_code_retry
+        if not queries.defer_unclaimed_txn(durable.db, conn, run_id, index, retry_in):
+            return None
+        details = {"step": step, "retry_in": retry_in}
+        activity_rows.record_txn(durable.db, conn, "code_missing", run_id, workflow, None, details)
+    log.warning("durable: no code for workflow %r here; run %s handed back", workflow, run_id)
+    return "deferred"
+
+
+def fail_changed(durable: Durable, run_id: str, workflow: str, step: str, index: int) -> bool:
+    """Fail a run whose current step (``index``, named ``step``) is gone from its workflow."""
+    error = definition_changed(workflow, step)
+    with durable.db.begin() as conn:
+        run = queries.fetch_run(conn, run_id)
+        if run is None or run.step_index != index:
+            return False
+        done, settled = end_run_txn(
+            durable,
+            conn,
+            run,
+            "failed",
+            lambda c: queries.fail_unclaimed_txn(durable.db, c, run_id, index, error),
+        )
+    if done:
+        log.warning("durable: run %s failed: %s", run_id, error["message"])
+        signals.run_finished.send(sender=durable, run_id=run_id, workflow=workflow, status="failed")
+    if settled is not None:
+        settled.after_commit(durable)
+    return done
+
+
+def install(durable: Durable) -> None:
+    """Answer unknown durable step messages that reach this app's workers."""
+
+    def on_unknown(sender: Any = None, message: Any = None, name: str = "", **_: Any) -> None:
+        if getattr(sender, "app", None) is not durable.app or not name.startswith(PREFIX):
+            return
+        try:
+            body = message.decode() if message is not None else None
+            kwargs = body[1] if isinstance(body, (list, tuple)) and len(body) > 1 else {}
+            handle_unknown_step(durable, name, kwargs if isinstance(kwargs, dict) else {})
+        except Exception:  # never let this break the consumer; the relay sends it again later
+            log.exception("durable: could not hand back unknown step message %s", name)
+
+    celery_signals.task_unknown.connect(on_unknown, weak=False)

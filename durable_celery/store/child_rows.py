@@ -1,0 +1,55 @@
+"""Statements on child runs: finding a parent's children and waking a parent."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, and_, exists, select, update
+
+from .db import Database
+from .schema import UNFINISHED, runs
+
+# The wait a parent parks in while its children (or branches) run.
+CHILDREN_WAIT = "durable:children"
+
+_CHILD_COLUMNS = (runs.c.id, runs.c.status, runs.c.output, runs.c.error, runs.c.parent_ref)
+
+
+def child_by_ref_txn(conn: Connection, parent_id: str, ref: str) -> Any:
+    """The child a parent started at ``ref``, or None."""
+    query = select(*_CHILD_COLUMNS).where(runs.c.parent_id == parent_id, runs.c.parent_ref == ref)
+    return conn.execute(query).first()
+
+
+def children_by_refs_txn(conn: Connection, parent_id: str, refs: Sequence[str]) -> dict[str, Any]:
+    """The children a parent started at any of ``refs``, by ref."""
+    query = select(*_CHILD_COLUMNS).where(runs.c.parent_id == parent_id, runs.c.parent_ref.in_(list(refs)))
+    return {row.parent_ref: row for row in conn.execute(query)}
+
+
+def unfinished_children(conn: Connection, parent_id: str) -> Sequence[str]:
+    """Ids of a run's children that have not finished."""
+    query = select(runs.c.id).where(runs.c.parent_id == parent_id, runs.c.status.in_(UNFINISHED))
+    return list(conn.execute(query).scalars())
+
+
+def wake_parent_txn(db: Database, conn: Connection, child_id: str) -> Any:
+    """A child finished: make its parent due now if it waits for its children; returns what
+    to publish (workflow, id, step index, attempt, key), or None."""
+    parent_id = select(runs.c.parent_id).where(runs.c.id == child_id).scalar_subquery()
+    query = (
+        update(runs)
+        .where(runs.c.id == parent_id, runs.c.status == "waiting", runs.c.wait_name == CHILDREN_WAIT)
+        .values(due_at=db.now(), published=True)
+        .returning(runs.c.workflow, runs.c.id, runs.c.step_index, runs.c.attempt, runs.c.key)
+    )
+    return conn.execute(query).first()
+
+
+def due_if_any_finished_txn(db: Database, conn: Connection, run_id: str, child_ids: Sequence[str]) -> None:
+    """Right after parking a parent: make it due at once if one of ``child_ids`` has finished
+    meanwhile (its wake-up found the parent not yet waiting)."""
+    child = runs.alias("child")
+    finished = exists().where(and_(child.c.id.in_(list(child_ids)), child.c.finished_at.is_not(None)))
+    conn.execute(update(runs).where(runs.c.id == run_id, finished).values(due_at=db.now()))

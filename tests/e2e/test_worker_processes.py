@@ -1,0 +1,201 @@
+"""Real `celery worker` processes killed and stopped: crash recovery, graceful shutdown, and a
+worker that lacks a workflow's code. PostgreSQL and Redis; fails (never skips) without them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from durable_celery import Durable
+from durable_celery.testing import wait_for
+from tests.conftest import REDIS_URL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+APP = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+    from celery import Celery
+    from durable_celery import Durable, current_run
+
+    app = Celery("procapp", broker=os.environ["BROKER"])
+    app.conf.task_default_queue = os.environ["QUEUE"]
+    app.conf.broker_connection_retry_on_startup = True
+    app.conf.worker_prefetch_multiplier = 1
+    durable = Durable(
+        app,
+        os.environ["DB"],
+        poll_interval=0.2,
+        heartbeat_interval=0.4,
+        stale_lock_timeout=float(os.environ.get("STALE", "300")),
+        sweep_interval=0.5,
+        shutdown_grace_period=float(os.environ.get("GRACE", "2")),
+    )
+    marks = Path(os.environ["MARKS"])
+
+    job = durable.workflow("job")
+
+    @job.step
+    def work(mode):
+        # The first worker to run this step loops until it is stopped; later ones finish.
+        first = not (marks / "started").exists()
+        (marks / "started").touch()
+        while first or mode == "forever":
+            if mode == "polite" and current_run().shutting_down():
+                current_run().snooze(0, "worker shutting down")
+            time.sleep(0.05)
+        return os.getpid()
+
+    if os.environ.get("WITH_LATE", ""):
+        late = durable.workflow("late")
+
+        @late.step
+        def arrive():
+            return "arrived"
+    """
+)
+
+
+@pytest.fixture
+def proc_env(pg_url: str, tmp_path: Path, redis_client) -> dict[str, str]:
+    (tmp_path / "procapp.py").write_text(APP)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {name: os.environ[name] for name in ("PATH", "HOME") if name in os.environ}
+    return {
+        **env,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
+        "PYTHONUNBUFFERED": "1",
+        "BROKER": REDIS_URL,
+        "QUEUE": f"q-{uuid.uuid4().hex[:8]}",
+        "DB": pg_url,
+        "MARKS": str(marks),
+    }
+
+
+@pytest.fixture
+def start_worker(proc_env: dict[str, str], tmp_path: Path) -> Iterator:
+    started: list[subprocess.Popen] = []
+
+    def start(name: str, **env: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        cmd = [sys.executable, "-m", "celery", "-A", "procapp", "worker", "-P", "threads", "-c", "2"]
+        cmd += ["-n", f"{name}@%h", "-Q", proc_env["QUEUE"], "--loglevel", "INFO", "--without-mingle"]
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env={**proc_env, **env}, stdout=log, stderr=log)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+def client(proc_env: dict[str, str]) -> Iterator[Durable]:
+    """A producer-side Durable on the same database and queue (no worker of its own)."""
+    app = Celery("procapp", broker=proc_env["BROKER"])
+    app.conf.task_default_queue = proc_env["QUEUE"]
+    durable = Durable(app, proc_env["DB"], upkeep=False)
+    job = durable.workflow("job")
+    job.step(lambda mode: None, name="work")
+    yield durable
+    durable.db.dispose()
+
+
+def _wait_started(proc_env: dict[str, str], seconds: float = 30) -> None:
+    marker = Path(proc_env["MARKS"]) / "started"
+    deadline = time.monotonic() + seconds
+    while not marker.exists():
+        assert time.monotonic() < deadline, "no worker started the step"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_hands_a_long_step_back_after_the_grace_period(client, start_worker, proc_env):
+    first = start_worker("first", GRACE="2")
+    run_id = client.start("job", {"mode": "stubborn"})
+    _wait_started(proc_env)
+    stopped_at = time.monotonic()
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(30) == 0
+    assert time.monotonic() - stopped_at < 15  # the grace period (2 s), not the step, decided
+    handed = client.activity(kinds=["handed_back"], run_id=run_id)
+    assert len(handed) == 1
+    second = start_worker("second")
+    run = wait_for(client, run_id, timeout=40)  # far sooner than the 300 s stale timeout
+    assert run.status == "completed" and run.output == second.pid
+    steps = client.list_steps(run_id)
+    assert [(s.attempt, s.status) for s in steps] == [(1, "completed")]  # no attempt used
+
+
+@pytest.mark.timeout(120)
+def test_a_step_that_sees_shutting_down_snoozes_and_continues_elsewhere(client, start_worker, proc_env):
+    first = start_worker("first", GRACE="60")
+    run_id = client.start("job", {"mode": "polite"})
+    _wait_started(proc_env)
+    stopped_at = time.monotonic()
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(40) == 0
+    assert time.monotonic() - stopped_at < 30  # it stopped itself well within its 60 s grace
+    assert [a.details["reason"] for a in client.activity(kinds=["snoozed"], run_id=run_id)] == [
+        "worker shutting down"
+    ]
+    second = start_worker("second")
+    assert wait_for(client, run_id, timeout=40).output == second.pid
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_mid_step_is_recovered_after_the_stale_timeout_without_using_an_attempt(
+    client, start_worker, proc_env
+):
+    first = start_worker("first", STALE="2")
+    run_id = client.start("job", {"mode": "once"})
+    _wait_started(proc_env)
+    first.kill()  # SIGKILL: no shutdown, the lock stays behind
+    first.wait(10)
+    assert client.get_run(run_id).status == "running"
+    second = start_worker("second", STALE="2")
+    run = wait_for(client, run_id, timeout=60)
+    assert run.status == "completed" and run.output == second.pid and run.attempt == 1
+    with client.db.engine.connect() as conn:
+        from durable_celery.store import queries
+
+        assert queries.fetch_run(conn, run_id).losses == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_run_lost_three_times_fails(client, start_worker, proc_env):
+    run_id = client.start("job", {"mode": "forever"})
+    for n in range(3):
+        worker = start_worker(f"w{n}", STALE="1.5")
+        deadline = time.monotonic() + 60
+        while _losses_and_lock(client, run_id) != (n, True):
+            assert time.monotonic() < deadline, f"loss {n}: {_losses_and_lock(client, run_id)}"
+            time.sleep(0.05)
+        worker.kill()
+        worker.wait(10)
+    sweeper = start_worker("sweeper", STALE="1.5")
+    run = wait_for(client, run_id, timeout=60)
+    assert run.status == "failed" and run.error["type"] == "WorkerLost"
+    assert sweeper.poll() is None
+
+
+def _losses_and_lock(client: Durable, run_id: str) -> tuple[int, bool]:
+    from durable_celery.store import queries
+
+    with client.db.engine.connect() as conn:
+        row = queries.fetch_run(conn, run_id)
+    return row.losses, row.locked_by is not None

@@ -1,0 +1,247 @@
+"""Child workflows and parallel branches: started once, waited for without a worker slot."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from durable_celery import ChildFailed, InvalidArgument, current_run
+from durable_celery.testing import wait_for, worker
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_call_workflow_waits_for_the_child_and_never_starts_a_second_one(durable):
+    started: list[str] = []
+    child = durable.workflow("invoice", key="invoice:{order}")
+
+    @child.step
+    def make_invoice(order):
+        started.append(current_run().id)
+        current_run().sleep(0.3)  # the parent waits meanwhile without a worker
+        return f"INV-{order}"
+
+    parent = durable.workflow("checkout")
+
+    @parent.step
+    def bill(order):
+        invoice = current_run().call_workflow(child, {"order": order})
+        current_run().context["invoice"] = invoice
+        return invoice
+
+    @parent.step
+    def done(order):
+        return current_run().context["invoice"]
+
+    with worker(durable, concurrency=1):  # one slot: the parent must not hold it while waiting
+        run_id = durable.start(parent, {"order": 7}, key="checkout:7")
+        run = wait_for(durable, run_id)
+    assert run.status == "completed" and run.output == "INV-7"
+    children = durable.list_children(run_id)
+    assert len(children) == 1 and len(set(started)) == 1
+    kid = children[0]
+    assert kid.parent_id == run_id and kid.workflow == "invoice"
+    assert kid.key == "invoice:7"  # its own key, from its own template; not the parent's
+    assert kid.status == "completed"
+
+
+def test_a_failed_child_raises_in_the_parent_and_a_retry_starts_a_fresh_child(durable):
+    calls = {"n": 0}
+    flaky = durable.workflow("flaky")
+
+    @flaky.step
+    def work():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("first child fails")
+        return "ok"
+
+    parent = durable.workflow("parent")
+    seen: list[str] = []
+
+    @parent.step(retry=2)
+    def call():
+        try:
+            return current_run().call_workflow("flaky")
+        except ChildFailed as exc:
+            seen.append(exc.status)
+            raise
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(parent))
+    assert run.status == "completed" and run.output == "ok"
+    assert seen == ["failed"]
+    assert [c.status for c in durable.list_children(run.id)] == ["failed", "completed"]
+
+
+def test_start_workflow_is_fire_and_forget_and_replays_return_the_same_child(durable):
+    child = durable.workflow("email")
+
+    @child.step
+    def send(to):
+        return f"sent to {to}"
+
+    ids: list[str] = []
+    parent = durable.workflow("signup")
+
+    @parent.step
+    def welcome(user):
+        ids.append(current_run().start_workflow(child, {"to": user}))
+        current_run().sleep(0.2)  # the step runs again after this: same child id
+        return ids[-1]
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(parent, {"user": "ada"}))
+        kid = wait_for(durable, run.output)
+    assert len(ids) == 2 and ids[0] == ids[1] == kid.id
+    assert kid.output == "sent to ada" and kid.parent_id == run.id
+
+
+def test_cancelling_a_parent_cancels_its_unfinished_children(durable):
+    child = durable.workflow("long_child")
+
+    @child.step
+    def wait_forever():
+        current_run().wait_for_event("never")
+
+    parent = durable.workflow("long_parent")
+
+    @parent.step
+    def spawn():
+        current_run().parallel([(child, None), (child, None)])
+
+    with worker(durable):
+        run_id = durable.start(parent)
+
+        def both_waiting():
+            kids = durable.list_children(run_id)
+            return len(kids) == 2 and all(k.status == "waiting" for k in kids)
+
+        _until(both_waiting)
+        assert durable.get_run(run_id).status == "waiting"
+        assert durable.cancel(run_id) is True
+    assert durable.get_run(run_id).status == "cancelled"
+    assert [k.status for k in durable.list_children(run_id)] == ["cancelled", "cancelled"]
+
+
+def test_parallel_step_group_runs_branches_at_once_and_collects_results(durable):
+    inside = threading.Barrier(3, timeout=20)  # all three branches must be running together
+    wf = durable.workflow("fulfil")
+
+    @wf.step
+    def prepare(order):
+        current_run().context["total"] = 30
+
+    def charge(order):
+        inside.wait()
+        return {"charged": current_run().context["total"]}
+
+    def pack(order):
+        inside.wait()
+        return f"box-{order}"
+
+    def label(order):
+        inside.wait()
+        return "label"
+
+    wf.parallel(charge, pack, label)
+
+    @wf.step
+    def ship(order):
+        ctx = current_run().context
+        return [ctx["charge"], ctx["pack"], ctx["label"]]
+
+    with worker(durable, concurrency=4):
+        run = wait_for(durable, durable.start(wf, {"order": 5}, key="fulfil:5"))
+    assert run.status == "completed"
+    assert run.output == [{"charged": 30}, "box-5", "label"]
+    branches = durable.list_children(run.id)
+    assert sorted(b.workflow for b in branches) == ["fulfil.charge", "fulfil.label", "fulfil.pack"]
+    assert all(b.key is None and b.parent_id == run.id for b in branches)  # keys not inherited
+
+
+def test_parallel_fail_fast_cancels_the_other_branches(durable):
+    wf = durable.workflow("fanout")
+
+    def fails():
+        raise RuntimeError("branch broke")
+
+    def waits():
+        current_run().wait_for_event("never")
+
+    wf.parallel(fails, waits, fail_fast=True)
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf))
+    assert run.status == "failed"
+    assert "branch broke" in run.error["message"]
+    statuses = {b.workflow: b.status for b in durable.list_children(run.id)}
+    assert statuses == {"fanout.fails": "failed", "fanout.waits": "cancelled"}
+
+
+def test_parallel_without_fail_fast_waits_for_every_branch(durable):
+    wf = durable.workflow("patient")
+
+    def fails():
+        raise RuntimeError("broke")
+
+    def slow():
+        current_run().sleep(0.5)
+        return "slow done"
+
+    wf.parallel(fails, slow, fail_fast=False)
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf))
+    assert run.status == "failed"
+    statuses = {b.workflow: b.status for b in durable.list_children(run.id)}
+    assert statuses == {"patient.fails": "failed", "patient.slow": "completed"}
+
+
+def test_parallel_from_a_step_returns_outputs_in_shape(durable):
+    square = durable.workflow("square")
+
+    @square.step
+    def sq(x):
+        return x * x
+
+    wf = durable.workflow("sums")
+
+    @wf.step
+    def total():
+        as_list = current_run().parallel([(square, {"x": n}) for n in range(4)])
+        as_dict = current_run().parallel({"a": (square, {"x": 5}), "b": ("square", {"x": 6})})
+        return [as_list, as_dict]
+
+    with worker(durable, concurrency=3):
+        run = wait_for(durable, durable.start(wf))
+    assert run.output == [[0, 1, 4, 9], {"a": 25, "b": 36}]
+    assert len(durable.list_children(run.id)) == 6
+
+
+def test_bad_branches_are_refused(durable):
+    wf = durable.workflow("bad_branches")
+    errors: list[str] = []
+
+    @wf.step
+    def go():
+        for calls in ([], [("x",)], {"a": 3}):
+            try:
+                current_run().parallel(calls)
+            except InvalidArgument as exc:
+                errors.append(type(exc).__name__)
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf))
+    assert run.status == "completed" and errors == ["InvalidArgument"] * 3
+    assert durable.list_children(run.id) == []
+
+
+def _until(condition, seconds: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
