@@ -44,7 +44,7 @@ class RunContext:
     def shutting_down(self) -> bool:
         """True once this worker is shutting down: a long step may stop early and ``snooze``
         (otherwise it is stopped and handed back when the grace period ends)."""
-        return self._active.engine.draining.is_set()
+        return self._active.engine.shutting_down()
 
     def heartbeat(self) -> None:
         """Prove this step is alive; raises RunStopped if the run was cancelled or taken over."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import socket
 import threading
@@ -163,9 +164,15 @@ class Heartbeater:
                 except Exception:  # a database hiccup must not kill the heartbeat thread
                     log.exception("durable heartbeat of run %s failed", step.run_id)
 
+    def poke(self) -> None:
+        """Run a pass now (e.g. a shutdown began)."""
+        self._wake.set()
+
     def _check(self, step: ActiveStep, now: float, interval: float) -> None:
         if step.deadline is not None and now >= step.deadline:
             step.interrupt("timeout")
+        elif not step.compensate and self.engine.drain_over():
+            step.interrupt("shutdown")
         elif now >= step.next_beat:
             step.next_beat = now + interval
             reason = self.engine.beat(step)
@@ -193,8 +200,8 @@ class Engine:
         self.heartbeater = Heartbeater(self)
         self.node = f"{socket.gethostname()}:{os.getpid()}"
         self.fenced_count = 0
-        self.draining = threading.Event()  # set once this worker is shutting down
-        self._drains = 0
+        # When the grace period of a shutdown ends (0: not shutting down), in shared memory.
+        self._drain_at = multiprocessing.RawValue("d", 0.0)
 
     # -- messages -------------------------------------------------------------------------
 
@@ -522,27 +529,28 @@ class Engine:
 
     def drain(self, grace: float) -> None:
         """Start a graceful shutdown: steps see ``shutting_down()``; those still running after
-        ``grace`` seconds are stopped and their runs handed back (compensations run on)."""
-        if self.draining.is_set():
+        ``grace`` seconds are stopped and their runs handed back (compensations run on).
+
+        The flag lives in shared memory made before the pool forks, so prefork children see
+        it too; each process's heartbeat thread stops its own steps when the time is up.
+        """
+        if self._drain_at.value:
             return
-        self.draining.set()
         log.warning("durable: draining; running steps get %.0fs to finish", grace)
-        timer = threading.Timer(grace, self._stop_running_steps, (self._drains,))
-        timer.daemon = True
-        timer.start()
+        self._drain_at.value = time.time() + grace
+        self.heartbeater.poke()
 
     def undrain(self) -> None:
         """A worker (re)starts in this process: steps are no longer shutting down."""
-        self._drains += 1
-        self.draining.clear()
+        self._drain_at.value = 0.0
 
-    def _stop_running_steps(self, drain: int) -> None:
-        if drain != self._drains or not self.draining.is_set():
-            return  # a worker started again in this process meanwhile
-        with self.heartbeater._lock:
-            running = [s for s in self.heartbeater.active if not s.compensate]
-        for step in running:
-            step.interrupt("shutdown")
+    def shutting_down(self) -> bool:
+        """Has this worker begun a graceful shutdown?"""
+        return bool(self._drain_at.value)
+
+    def drain_over(self) -> bool:
+        """Is the grace period of a graceful shutdown over?"""
+        return bool(self._drain_at.value) and time.time() >= self._drain_at.value
 
     def _snooze(self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed) -> str:
         with self.db.begin() as conn:

@@ -88,9 +88,9 @@ def proc_env(pg_url: str, tmp_path: Path, redis_client) -> dict[str, str]:
 def start_worker(proc_env: dict[str, str], tmp_path: Path) -> Iterator:
     started: list[subprocess.Popen] = []
 
-    def start(name: str, **env: str) -> subprocess.Popen:
+    def start(name: str, pool: str = "threads", **env: str) -> subprocess.Popen:
         log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        cmd = [sys.executable, "-m", "celery", "-A", "procapp", "worker", "-P", "threads", "-c", "2"]
+        cmd = [sys.executable, "-m", "celery", "-A", "procapp", "worker", "-P", pool, "-c", "2"]
         cmd += ["-n", f"{name}@%h", "-Q", proc_env["QUEUE"], "--loglevel", "INFO", "--without-mingle"]
         proc = subprocess.Popen(cmd, cwd=tmp_path, env={**proc_env, **env}, stdout=log, stderr=log)
         started.append(proc)
@@ -124,8 +124,9 @@ def _wait_started(proc_env: dict[str, str], seconds: float = 30) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_hands_a_long_step_back_after_the_grace_period(client, start_worker, proc_env):
-    first = start_worker("first", GRACE="2")
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_sigterm_hands_a_long_step_back_after_the_grace_period(client, start_worker, proc_env, pool):
+    first = start_worker("first", pool, GRACE="2")
     run_id = client.start("job", {"mode": "stubborn"})
     _wait_started(proc_env)
     stopped_at = time.monotonic()
@@ -142,8 +143,11 @@ def test_sigterm_hands_a_long_step_back_after_the_grace_period(client, start_wor
 
 
 @pytest.mark.timeout(120)
-def test_a_step_that_sees_shutting_down_snoozes_and_continues_elsewhere(client, start_worker, proc_env):
-    first = start_worker("first", GRACE="60")
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_step_that_sees_shutting_down_snoozes_and_continues_elsewhere(
+    client, start_worker, proc_env, pool
+):
+    first = start_worker("first", pool, GRACE="60")
     run_id = client.start("job", {"mode": "polite"})
     _wait_started(proc_env)
     stopped_at = time.monotonic()
