@@ -42,6 +42,8 @@ class Settings:
 
     database_url: str | None = None
     pool_size: int = 5
+    # Behind PgBouncer in transaction mode (before 1.21): no server-side prepared statements.
+    pgbouncer: bool = False
     heartbeat_interval: float = 10.0
     stale_lock_timeout: float = 300.0
     max_losses: int = 3
@@ -105,7 +107,11 @@ class Durable:
     def __init__(self, app: Celery, database_url: str | None = None, **settings: Any) -> None:
         self.app = app
         self.settings = Settings.build(app, database_url, settings)
-        self.db = Database(self.settings.database_url or "", pool_size=self.settings.pool_size)
+        self.db = Database(
+            self.settings.database_url or "",
+            pool_size=self.settings.pool_size,
+            prepared_statements=not self.settings.pgbouncer,
+        )
         self.workflows: dict[str, Workflow] = {}
         self.engine = Engine(self)
         self.stats = Stats(self)

@@ -80,8 +80,11 @@ def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
 class Database:
     """One engine per process; connections are held per statement, never across a step."""
 
-    def __init__(self, url: str, *, pool_size: int = 5, echo: bool = False) -> None:
+    def __init__(
+        self, url: str, *, pool_size: int = 5, echo: bool = False, prepared_statements: bool = True
+    ) -> None:
         self.url = normalize_url(url)
+        self._prepared = prepared_statements
         self.is_sqlite = self.url.startswith("sqlite")
         self.is_postgres = self.url.startswith("postgresql")
         self._pool_size = pool_size
@@ -131,6 +134,9 @@ class Database:
             # sees the row the other transaction committed.
             isolation_level="READ COMMITTED",
             pool_recycle=1800,
+            # psycopg prepares a statement on the server after a few runs; a transaction-mode
+            # PgBouncer may send the next run to another server connection that lacks it.
+            connect_args={} if self._prepared else {"prepare_threshold": None},
         )
         event.listen(engine, "connect", lambda _conn, record: _mark_idle(_conn, record))
         event.listen(engine, "checkin", _mark_idle)

@@ -144,9 +144,7 @@ def test_sigterm_hands_a_long_step_back_after_the_grace_period(client, start_wor
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
-def test_a_step_that_sees_shutting_down_snoozes_and_continues_elsewhere(
-    client, start_worker, proc_env, pool
-):
+def test_a_step_that_sees_shutting_down_snoozes_and_continues_elsewhere(client, start_worker, proc_env, pool):
     first = start_worker("first", pool, GRACE="60")
     run_id = client.start("job", {"mode": "polite"})
     _wait_started(proc_env)
