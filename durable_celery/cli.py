@@ -80,7 +80,10 @@ def show(ctx: click.Context, run_id: str) -> None:
     click.echo(json.dumps(_run_dict(run), default=str, indent=2))
     for step in d.list_steps(run_id):
         outcome = step.error["message"] if step.error else json.dumps(step.output, default=str)
-        click.echo(f"  {step.step_index}. {step.name} attempt {step.attempt}: {step.status} {outcome}")
+        what = "compensation of " if step.phase == "compensate" else ""
+        click.echo(f"  {step.step_index}. {what}{step.name} attempt {step.attempt}: {step.status} {outcome}")
+    for child in d.list_children(run_id):
+        click.echo(f"  child {child.id} ({child.workflow}): {child.status}")
 
 
 @durable.command()

@@ -245,3 +245,50 @@ def _until(condition, seconds: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_cli_show_lists_compensations_and_children(durable, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    wf = durable.workflow("shown")
+
+    def undo_a():
+        pass
+
+    @wf.step(compensate=undo_a)
+    def a():
+        current_run().start_workflow("shown_child")
+
+    @wf.step
+    def b():
+        raise RuntimeError("b broke")
+
+    child = durable.workflow("shown_child")
+    child.step(lambda: "kid", name="kid")
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf))
+    assert run.status == "compensated"
+    (tmp_path / "showapp.py").write_text(
+        textwrap.dedent(f"""
+        from celery import Celery
+        from durable_celery import Durable
+        app = Celery("showapp", broker="memory://")
+        durable = Durable(app, {durable.db.url!r}, upkeep=False)
+        """)
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "showapp", "durable", "show", run.id],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "0. compensation of a attempt 1: completed" in out.stdout
+    assert "1. b attempt 1: failed b broke" in out.stdout
+    kid = durable.list_children(run.id)[0]
+    assert f"child {kid.id} (shown_child)" in out.stdout
