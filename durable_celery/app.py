@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery
 
-from . import control, observe, transport
+from . import control, observe, tracing, transport
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -53,6 +53,13 @@ class Settings:
     publish_retries: int = 2
     upkeep: bool = True
     home: str = EMBEDDED_HOME
+    # -- watching (logs.py, tracing.py, metrics.py) ---------------------------------------------
+    # {"levels": [...], "metadata_filter": [...], "console": bool}, True (defaults) or False.
+    log_capture: Any = None
+    # An OpenTelemetry TracerProvider for step spans; None uses the global one.
+    tracer_provider: Any = None
+    # Serve Prometheus metrics on this port from each worker once it is ready.
+    metrics_port: int | None = None
 
     @classmethod
     def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:
@@ -113,6 +120,7 @@ class Durable:
                 self.settings.heartbeat_interval,
             )
         self._use_embedded_broker_if_unset()
+        self._setup_watching()
         app._durable = self  # type: ignore[attr-defined]
         from .upkeep import install
 
@@ -227,6 +235,7 @@ class Durable:
         run_key = wf.derive_key(data, key)
         policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate)
         run = self._new_run(wf, data, run_key)
+        tracing.stamp_run(self, wf, run)  # the run's trace (tracing.py)
         if connection is not None:
             from .transactions import start_in_callers_transaction
 
@@ -393,6 +402,43 @@ class Durable:
     def pending_migrations(self) -> list[str]:
         """Revisions the database still lacks (empty when up to date)."""
         return migrations.pending_revisions(self.db)
+
+    # == watching: log capture, metrics, doctor and status (logs.py, metrics.py, doctor.py) ====
+
+    def _setup_watching(self) -> None:
+        from .logs import LogCapture
+
+        self.log_capture = LogCapture.from_setting(self.settings.log_capture)
+        self._metrics: Any = None
+        port = self.settings.metrics_port
+        if port is not None:
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise InvalidDefinition(f"metrics_port must be a port number, not {port!r}")
+            from .metrics import serve_from_worker
+
+            self.metrics  # noqa: B018 - counters must exist before the first step is counted
+            serve_from_worker(self, port)
+
+    @property
+    def metrics(self) -> Any:
+        """Prometheus metrics (``DurableMetrics``; needs the ``[metrics]`` extra)."""
+        if self._metrics is None:
+            from .metrics import DurableMetrics
+
+            self._metrics = DurableMetrics(self)
+        return self._metrics
+
+    def doctor(self, fix: bool = False) -> list[Any]:
+        """Stuck state as ``Finding`` records; ``fix=True`` repairs what is safe and marks it."""
+        from .doctor import doctor
+
+        return doctor(self, fix=fix)
+
+    def status_summary(self) -> dict[str, Any]:
+        """Runs per status, ready backlog, oldest ready run, stale locks, nodes, schedules."""
+        from .doctor import summary
+
+        return summary(self)
 
 
 def live_durables() -> list[Durable]:

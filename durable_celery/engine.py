@@ -12,7 +12,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import signals
+from . import instrument, signals
 from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import RunStopped, StepTimeout
@@ -167,6 +167,7 @@ class Outcome:
     stopped: str | None = None
     parked: Parked | None = None
     snoozed: Snoozed | None = None
+    logs: list[dict[str, Any]] | None = None  # captured log lines, saved on the step row
 
 
 class Engine:
@@ -209,7 +210,12 @@ class Engine:
             step=step.name,
             attempt=row.attempt,
         )
-        outcome = self._call(step, ctx)
+        # -- observability hook (instrument.py): the attempt's span and log capture --------------
+        with instrument.observe_step(self.durable, workflow, ctx, row) as observed:
+            outcome = self._call(step, ctx)
+            observed.finish(outcome)
+        outcome.logs = observed.logs
+        # -----------------------------------------------------------------------------------------
         return self._record(workflow, step, row, ctx, outcome, started)
 
     def _call(self, step: Step, ctx: RunContext) -> Outcome:
@@ -272,6 +278,7 @@ class Engine:
             "worker": self.node,
             "started_at": started,
             "finished_at": utcnow(),
+            "logs": outcome.logs,  # log capture (logs.py)
         }
         run_values, status = self._next_state(step, row, ctx, outcome, last)
         if outcome.error is None:
@@ -414,5 +421,6 @@ def _check_json(outcome: Outcome, ctx: RunContext) -> Outcome:
         json.dumps(outcome.value, allow_nan=False)
         json.dumps(ctx.context, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        return Outcome(error=TypeError(f"a step's return value and context must be JSON: {exc}"))
+        error = TypeError(f"a step's return value and context must be JSON: {exc}")
+        return Outcome(error=error, logs=outcome.logs)
     return outcome

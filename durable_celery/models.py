@@ -67,6 +67,8 @@ class StepRecord:
     worker: str | None
     started_at: datetime
     finished_at: datetime
+    # Lines the attempt logged at a captured level (see logs.py); None when capture was off.
+    logs: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> StepRecord:
