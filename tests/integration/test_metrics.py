@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -131,9 +132,8 @@ def test_stale_recoveries_fenced_workers_and_failed_acks(make_durable):
     with durable.db.single() as conn:
         assert queries.claim_run(durable.db, conn, lost_id, 0, "ghost-node:1") is not None
     with durable.db.begin() as conn:
-        conn.execute(
-            update(runs).where(runs.c.id == lost_id).values(heartbeat_at=utcnow().replace(year=2020))
-        )
+        an_hour_ago = utcnow() - timedelta(hours=1)
+        conn.execute(update(runs).where(runs.c.id == lost_id).values(heartbeat_at=an_hour_ago))
     assert metrics.value("durable_stale_locks") == 1
     assert sweep_stale_once(durable) == ([lost_id], [])
     assert metrics.value("durable_stale_recovered_total", {"outcome": "handed_back"}) == 1
