@@ -145,9 +145,11 @@ def test_capture_off_and_threads_bound_to_the_step(make_durable, billing_log):
         thread.start()
         thread.join()
 
-    off_id, on_id = off.start(wf_off), on.start(wf_on)
+    # One after the other: both apps share the test's queue, and each knows only its own steps.
+    off_id = off.start(wf_off)
     with worker(off):
         wait_for(off, off_id)
+    on_id = on.start(wf_on)
     with worker(on):
         wait_for(on, on_id)
     assert off.list_steps(off_id)[0].logs is None
