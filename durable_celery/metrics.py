@@ -10,7 +10,7 @@
   finished in the last hour per status, stale locks and disabled schedules.
 
 Serve them with ``durable.metrics.start_http_server(9808)``, with the ``metrics_port`` setting
-(the worker serves them once it is ready), or with ``celery -A app durable metrics --port
+(each worker serves them while it runs), or with ``celery -A app durable metrics --port
 9808`` (database gauges only: the counters live in the workers). Under the prefork pool the
 steps run in child processes: set ``PROMETHEUS_MULTIPROC_DIR`` so the children's counters are
 merged into what the worker serves.
@@ -158,6 +158,7 @@ class DurableMetrics:
         )
         self.collector = DatabaseCollector(durable)
         self.registry.register(self.collector)
+        self.server: Any = None  # the HTTP server of start_http_server, once started
         self._connect()
 
     def _connect(self) -> None:
@@ -192,6 +193,18 @@ class DurableMetrics:
         if name.startswith("durable.") and getattr(sender, "app", None) is self.durable.app:
             self.ack_failed.labels(name).inc()
 
+    def register(self, registry: Any) -> None:
+        """Also expose these metrics in another registry (e.g. ``prometheus_client.REGISTRY``)."""
+        for collector in (
+            self.runs_finished,
+            self.steps_finished,
+            self.stale_recovered,
+            self.worker_fenced,
+            self.ack_failed,
+            self.collector,
+        ):
+            registry.register(collector)
+
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format, as a scrape would get it."""
         return bytes(_client().generate_latest(self.registry))
@@ -217,16 +230,38 @@ class DurableMetrics:
     def start_http_server(self, port: int, addr: str = "0.0.0.0") -> Any:
         """Serve ``/metrics`` on ``port`` from a daemon thread; returns the HTTP server."""
         started = _client().start_http_server(port, addr=addr, registry=self.serving_registry())
-        server = started[0] if isinstance(started, tuple) else started
+        server = self.server = started[0] if isinstance(started, tuple) else started
         log.info("durable: metrics on http://%s:%s/metrics", addr, getattr(server, "server_port", port))
         return server
 
 
+class Endpoint:
+    """The /metrics endpoint a worker serves while it runs."""
+
+    def __init__(self, durable: Durable, port: int) -> None:
+        self.durable = durable
+        self.port = port
+
+    def start(self) -> None:
+        """Start serving."""
+        self.durable.metrics.start_http_server(self.port)
+
+    def stop(self) -> None:
+        """Stop serving."""
+        metrics = self.durable.metrics
+        server, metrics.server = metrics.server, None
+        if server is not None:
+            server.shutdown()
+
+
 def serve_from_worker(durable: Durable, port: int) -> None:
-    """Start the metrics endpoint in the worker's main process once it is ready."""
+    """Serve the metrics endpoint from each worker of ``durable.app`` (a worker bootstep)."""
+    from celery import bootsteps
 
-    def on_ready(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "app", None) is durable.app:
-            durable.metrics.start_http_server(port)
+    class DurableMetricsEndpoint(bootsteps.StartStopStep):
+        """Durable's /metrics endpoint, started and stopped with the worker."""
 
-    celery_signals.worker_ready.connect(on_ready, weak=False)
+        def create(self, worker: Any) -> Endpoint:
+            return Endpoint(durable, port)
+
+    durable.app.steps["worker"].add(DurableMetricsEndpoint)

@@ -190,3 +190,30 @@ def test_cli_serves_database_gauges(make_durable, tmp_path):
         process.wait(10)
     assert 'durable_ready_runs{workflow="queued"} 2.0' in text
     assert "durable_database_up 1.0" in text
+
+
+def test_a_worker_serves_metrics_on_the_metrics_port_and_bad_ports_are_refused(make_durable):
+    from prometheus_client import CollectorRegistry
+
+    from durable_celery import InvalidDefinition
+
+    with pytest.raises(InvalidDefinition, match="metrics_port"):
+        make_durable("badport", metrics_port="9808")
+    durable = make_durable(metrics_port=0)  # 0: any free port, for the test
+    wf = durable.workflow("served")
+
+    @wf.step
+    def fail():
+        raise ValueError("no")
+
+    run_id = durable.start(wf)
+    with worker(durable):
+        wait_for(durable, run_id)
+        text = scrape(durable.metrics.server.server_port)
+    assert durable.metrics.server is None  # stopped with the worker
+    assert 'durable_runs_finished_total{status="failed",workflow="served"} 1.0' in text
+    mine = CollectorRegistry()
+    durable.metrics.register(mine)
+    assert (
+        mine.get_sample_value("durable_runs_finished_total", {"workflow": "served", "status": "failed"}) == 1
+    )
