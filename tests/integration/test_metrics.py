@@ -22,7 +22,8 @@ from durable_celery.store.schema import runs, schedules
 from durable_celery.testing import wait_for, worker
 from durable_celery.upkeep import sweep_stale_once
 
-pytestmark = [pytest.mark.timeout(90), pytest.mark.parametrize("backend", ["postgres"])]
+pytestmark = pytest.mark.timeout(90)
+postgres_only = pytest.mark.parametrize("backend", ["postgres"])
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,6 +110,7 @@ def test_failed_runs_backlog_and_schedules_are_counted_and_served(make_durable):
     assert "durable_schedules_disabled 1.0" in text
 
 
+@postgres_only
 def test_stale_recoveries_fenced_workers_and_failed_acks(make_durable):
     durable = make_durable()
     metrics = durable.metrics
@@ -156,6 +158,7 @@ def test_stale_recoveries_fenced_workers_and_failed_acks(make_durable):
     assert durable.get_run(taken_id).status == "running"  # still the other node's
 
 
+@postgres_only
 def test_cli_serves_database_gauges(make_durable, tmp_path):
     durable = make_durable()
     wf = durable.workflow("queued", queue=f"nobody-{uuid.uuid4().hex[:6]}")
@@ -192,6 +195,7 @@ def test_cli_serves_database_gauges(make_durable, tmp_path):
     assert "durable_database_up 1.0" in text
 
 
+@postgres_only
 def test_a_worker_serves_metrics_on_the_metrics_port_and_bad_ports_are_refused(make_durable):
     from prometheus_client import CollectorRegistry
 
