@@ -1,9 +1,9 @@
 """Log capture: the lines a step attempt logs carry its run's metadata and are saved on its row.
 
-While a step runs, a context variable names the attempt. A log record factory gives every
-record made in that context the attributes ``workflow``, ``workflow_id``, ``step`` and
-``attempt`` (and whatever the workflow's ``log_metadata`` returns), so a formatter can show
-them with ``%(workflow_id)s``. A handler on the root logger keeps the records of the captured
+While a step runs, a context variable names the attempt. A filter on the root logger's
+handlers gives every record made in that context the attributes ``workflow``, ``workflow_id``,
+``step`` and ``attempt`` (and whatever the workflow's ``log_metadata`` returns), so a formatter
+can show them with ``%(workflow_id)s``. A handler on the root logger keeps the records of the captured
 levels, with OpenTelemetry's ``severity_number``, ``trace_id`` and ``span_id``, and the engine
 writes them on the step row with the step's result (``StepRecord.logs``).
 
@@ -172,6 +172,9 @@ def _entry(record: logging.LogRecord, attempt: Attempt) -> dict[str, Any]:
         for k, v in record.__dict__.items()
         if k not in _RECORD_ATTRS and (allowed is None or k in allowed or k in STANDARD_FIELDS)
     }
+    for name, value in attempt.metadata.items():  # the workflow's log_metadata, then ours
+        if allowed is None or name in allowed or name in STANDARD_FIELDS:
+            metadata.setdefault(name, value)
     for name in STANDARD_FIELDS:
         metadata[name] = attempt.metadata[name]
     trace_id, span_id = _trace_ids()
@@ -190,50 +193,35 @@ def _entry(record: logging.LogRecord, attempt: Attempt) -> dict[str, Any]:
     return entry
 
 
-class HideCaptured(logging.Filter):
-    """Keeps captured records off a handler (``console=False``)."""
+class StepRecords(logging.Filter):
+    """On the root logger's handlers: gives records made inside a step the attempt's metadata
+    as attributes, and keeps the captured ones off the handler with ``console=False``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """False for a record the current attempt saves."""
+        """Add the metadata (never overwriting an ``extra``); False for a hidden record."""
         attempt = _attempt.get()
-        return attempt is None or attempt.settings.console or not attempt.settings.keeps(record.levelno)
+        if attempt is None:
+            return True
+        for name, value in attempt.metadata.items():
+            if name not in record.__dict__:
+                setattr(record, name, value)
+        return attempt.settings.console or not attempt.settings.keeps(record.levelno)
 
 
 _handler = CaptureHandler(level=logging.NOTSET)
-_hide = HideCaptured()
-_factory_installed = False
+_step_records = StepRecords()
 
 
-def _install_record_factory() -> None:
-    # Every record made inside a step gets the attempt's metadata as attributes, whichever
-    # handler formats it; outside a step the previous factory's record is returned untouched.
-    global _factory_installed
-    if _factory_installed:
-        return
-    _factory_installed = True
-    previous = logging.getLogRecordFactory()
-
-    def make_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
-        record = previous(*args, **kwargs)
-        attempt = _attempt.get()
-        if attempt is not None:
-            for name, value in attempt.metadata.items():
-                if name not in _RECORD_ATTRS and name not in record.__dict__:
-                    setattr(record, name, value)
-        return record
-
-    logging.setLogRecordFactory(make_record)
-
-
-def _install_handlers(settings: LogCapture) -> None:
+def _install_handlers() -> None:
     # Checked at every attempt: a Celery worker replaces the root logger's handlers at boot.
+    # A filter on the handlers, not a record factory, adds the metadata: a factory's attributes
+    # would make ``extra={"step": ...}`` in users' own calls raise KeyError.
     root = logging.getLogger()
     if _handler not in root.handlers:
         root.addHandler(_handler)
-    if not settings.console:
-        for handler in root.handlers:
-            if handler is not _handler and _hide not in handler.filters:
-                handler.addFilter(_hide)
+    for handler in root.handlers:
+        if handler is not _handler and _step_records not in handler.filters:
+            handler.addFilter(_step_records)
 
 
 def step_metadata(
@@ -257,8 +245,7 @@ def capture(settings: LogCapture, metadata: dict[str, Any]) -> Iterator[Attempt]
     """Capture the records logged in this context while the block runs."""
     attempt = Attempt(settings, metadata)
     if settings.enabled:
-        _install_record_factory()
-        _install_handlers(settings)
+        _install_handlers()
     token = _attempt.set(attempt)
     try:
         yield attempt

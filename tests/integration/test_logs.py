@@ -99,7 +99,7 @@ def test_default_keeps_warning_and_above_and_console_false_hides_them(make_durab
     @wf.step
     def work():
         billing_log.info("routine")
-        billing_log.warning("slow upstream")
+        billing_log.warning("slow upstream", extra={"step": "the caller's own"})  # never clashes
         try:
             raise ValueError("boom")
         except ValueError:
@@ -122,8 +122,10 @@ def test_default_keeps_warning_and_above_and_console_false_hides_them(make_durab
     assert "ValueError: boom" in step.logs[1]["exception"]
     assert step.logs[0]["trace_id"] is None or len(step.logs[0]["trace_id"]) == 32
     # The saved lines stay off the other handlers; the ones not saved still reach them.
-    shown = [r.getMessage() for r in seen.records if r.name == "tests.billing"]
-    assert shown == ["routine"]
+    shown = [r for r in seen.records if r.name == "tests.billing"]
+    assert [r.getMessage() for r in shown] == ["routine"]
+    assert shown[0].step == "work" and shown[0].workflow_id == run_id  # type: ignore[attr-defined]
+    assert step.logs[0]["metadata"]["step"] == "work"
 
 
 def test_capture_off_and_threads_bound_to_the_step(make_durable, billing_log):
