@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, or_, select, update
+from sqlalchemy import Connection, and_, case, func, or_, select, update
 
 from .db import Database
 from .queries import CLAIMABLE
@@ -13,9 +13,15 @@ from .schema import UNFINISHED, nodes, runs, schedules
 
 
 def ready_by_workflow(db: Database, conn: Connection) -> Sequence[Any]:
-    """Per workflow: runs due and unlocked (the ready backlog) and the oldest one's due time."""
+    """Per workflow: runs due and unlocked (the ready backlog), and since when the oldest waits.
+
+    A run no worker has started waits since it was created; a started one since its current
+    step was last sent (``due_at``; the relay moves it on each re-send, so it only grows past
+    ``relay_after`` when no upkeep runs).
+    """
+    waiting_since = case((runs.c.started_at.is_(None), runs.c.created_at), else_=runs.c.due_at)
     query = (
-        select(runs.c.workflow, func.count().label("ready"), func.min(runs.c.due_at).label("oldest"))
+        select(runs.c.workflow, func.count().label("ready"), func.min(waiting_since).label("oldest"))
         .where(runs.c.due_at <= db.now(), runs.c.locked_by.is_(None), runs.c.status.in_(CLAIMABLE))
         .group_by(runs.c.workflow)
     )

@@ -70,7 +70,11 @@ def make_stuck_state(durable):
             .where(runs.c.id == refund)
             .values(status="compensating", due_at=None, published=False)
         )
-        conn.execute(update(runs).where(runs.c.id == unsent).values(published=False, due_at=an_hour_ago()))
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == unsent)
+            .values(published=False, due_at=an_hour_ago(), created_at=an_hour_ago())
+        )
         conn.execute(
             insert(schedules).values(
                 name="nightly-refunds",
