@@ -9,7 +9,7 @@ from sqlalchemy import Connection, and_, case, func, or_, select, update
 
 from .db import Database
 from .queries import CLAIMABLE
-from .schema import UNFINISHED, nodes, runs, schedules
+from .schema import FINISHED, UNFINISHED, nodes, runs, schedules
 
 
 def ready_by_workflow(db: Database, conn: Connection) -> Sequence[Any]:
@@ -42,7 +42,11 @@ def finished_since(db: Database, conn: Connection, seconds: float) -> Sequence[A
     """Per workflow and final status: runs that finished in the last ``seconds``."""
     query = (
         select(runs.c.workflow, runs.c.status, func.count().label("n"))
-        .where(runs.c.finished_at.is_not(None), runs.c.finished_at >= db.later(-seconds))
+        .where(
+            runs.c.status.in_(FINISHED),  # lets ix_durable_runs_finished (status, finished_at) serve it
+            runs.c.finished_at.is_not(None),
+            runs.c.finished_at >= db.later(-seconds),
+        )
         .group_by(runs.c.workflow, runs.c.status)
     )
     return conn.execute(query).all()
