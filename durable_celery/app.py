@@ -8,7 +8,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -29,6 +29,10 @@ from .store import migrate as migrations
 from .store import queries
 from .store.db import Clock, Database
 from .store.schema import FINISHED, UNFINISHED
+
+if TYPE_CHECKING:
+    from .doctor import Finding
+    from .metrics import DurableMetrics
 
 log = logging.getLogger("durable_celery")
 
@@ -58,7 +62,7 @@ class Settings:
     log_capture: Any = None
     # An OpenTelemetry TracerProvider for step spans; None uses the global one.
     tracer_provider: Any = None
-    # Serve Prometheus metrics on this port from each worker once it is ready.
+    # Serve Prometheus metrics on this port from each worker while it runs.
     metrics_port: int | None = None
 
     @classmethod
@@ -409,7 +413,7 @@ class Durable:
         from .logs import LogCapture
 
         self.log_capture = LogCapture.from_setting(self.settings.log_capture)
-        self._metrics: Any = None
+        self._metrics: DurableMetrics | None = None
         port = self.settings.metrics_port
         if port is not None:
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -420,7 +424,7 @@ class Durable:
             serve_from_worker(self, port)
 
     @property
-    def metrics(self) -> Any:
+    def metrics(self) -> DurableMetrics:
         """Prometheus metrics (``DurableMetrics``; needs the ``[metrics]`` extra)."""
         if self._metrics is None:
             from .metrics import DurableMetrics
@@ -428,7 +432,7 @@ class Durable:
             self._metrics = DurableMetrics(self)
         return self._metrics
 
-    def doctor(self, fix: bool = False) -> list[Any]:
+    def doctor(self, fix: bool = False) -> list[Finding]:
         """Stuck state as ``Finding`` records; ``fix=True`` repairs what is safe and marks it."""
         from .doctor import doctor
 
