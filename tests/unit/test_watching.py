@@ -57,3 +57,42 @@ def test_a_traceparent_round_trips_through_the_run_row():
         assert child.get_span_context().trace_id == span.get_span_context().trace_id
         assert child.parent.span_id == span.get_span_context().span_id
     assert context_of(None) is None
+
+
+def test_without_prometheus_client_metrics_say_which_extra_to_install(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(
+        """
+        import sys
+
+        class NoPrometheus:
+            def find_spec(self, name, path=None, target=None):
+                if name == "prometheus_client" or name.startswith("prometheus_client."):
+                    raise ImportError("not installed")
+                return None
+
+        sys.meta_path.insert(0, NoPrometheus())
+        from celery import Celery
+        from durable_celery import Durable, NotConfigured
+
+        durable = Durable(Celery("noprom", broker="memory://"), "sqlite:///" + sys.argv[1] + "/d.sqlite3")
+        try:
+            durable.metrics
+        except NotConfigured as exc:
+            print(exc)
+        """
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'durable-celery[metrics]'" in done.stdout
