@@ -8,11 +8,11 @@ import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import control, observe, transport
+from . import control, observe, tracing, transport
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -29,6 +29,10 @@ from .store import migrate as migrations
 from .store import queries
 from .store.db import Clock, Database
 from .store.schema import FINISHED, UNFINISHED
+
+if TYPE_CHECKING:
+    from .doctor import Finding
+    from .metrics import DurableMetrics
 
 log = logging.getLogger("durable_celery")
 
@@ -57,6 +61,13 @@ class Settings:
     missing_code_retry: float = 30.0
     upkeep: bool = True
     home: str = EMBEDDED_HOME
+    # -- watching (logs.py, tracing.py, metrics.py) ---------------------------------------------
+    # {"levels": [...], "metadata_filter": [...], "console": bool}, True (defaults) or False.
+    log_capture: Any = None
+    # An OpenTelemetry TracerProvider for step spans; None uses the global one.
+    tracer_provider: Any = None
+    # Serve Prometheus metrics on this port from each worker while it runs.
+    metrics_port: int | None = None
 
     @classmethod
     def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:
@@ -123,6 +134,7 @@ class Durable:
                 self.settings.heartbeat_interval,
             )
         self._use_embedded_broker_if_unset()
+        self._setup_watching()
         app._durable = self  # type: ignore[attr-defined]
         from . import rollout, upkeep
 
@@ -242,6 +254,7 @@ class Durable:
         run_key = wf.derive_key(data, key)
         policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate)
         run = self._new_run(wf, data, run_key)
+        tracing.stamp_run(self, wf, run)  # the run's trace (tracing.py)
         if connection is not None:
             from .transactions import start_in_callers_transaction
 
@@ -435,6 +448,43 @@ class Durable:
     def pending_migrations(self) -> list[str]:
         """Revisions the database still lacks (empty when up to date)."""
         return migrations.pending_revisions(self.db)
+
+    # == watching: log capture, metrics, doctor and status (logs.py, metrics.py, doctor.py) ====
+
+    def _setup_watching(self) -> None:
+        from .logs import LogCapture
+
+        self.log_capture = LogCapture.from_setting(self.settings.log_capture)
+        self._metrics: DurableMetrics | None = None
+        port = self.settings.metrics_port
+        if port is not None:
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise InvalidDefinition(f"metrics_port must be a port number, not {port!r}")
+            from .metrics import serve_from_worker
+
+            self.metrics  # noqa: B018 - counters must exist before the first step is counted
+            serve_from_worker(self, port)
+
+    @property
+    def metrics(self) -> DurableMetrics:
+        """Prometheus metrics (``DurableMetrics``; needs the ``[metrics]`` extra)."""
+        if self._metrics is None:
+            from .metrics import DurableMetrics
+
+            self._metrics = DurableMetrics(self)
+        return self._metrics
+
+    def doctor(self, fix: bool = False) -> list[Finding]:
+        """Stuck state as ``Finding`` records; ``fix=True`` repairs what is safe and marks it."""
+        from .doctor import doctor
+
+        return doctor(self, fix=fix)
+
+    def status_summary(self) -> dict[str, Any]:
+        """Runs per status, ready backlog, oldest ready run, stale locks, nodes, schedules."""
+        from .doctor import summary
+
+        return summary(self)
 
 
 def live_durables() -> list[Durable]:

@@ -155,20 +155,6 @@ def rerun(ctx: click.Context, run_id: str) -> None:
     click.echo(f"{run_id}: rerun as {new_id}")
 
 
-@durable.command()
-@click.pass_context
-def status(ctx: click.Context) -> None:
-    """Summary: runs per workflow and status, and whether the schema is current."""
-    d = durable_of(ctx)
-    pending = d.pending_migrations()
-    click.echo(f"database: {d.db.engine.url.render_as_string(hide_password=True)}")
-    click.echo(f"schema: {'up to date' if not pending else f'{len(pending)} revision(s) behind'}")
-    if pending:
-        return
-    for (workflow, state), count in sorted(d.count_runs().items()):
-        click.echo(f"{workflow:30}  {state:20}  {count}")
-
-
 def _or_fail(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -180,3 +166,11 @@ def _run_dict(run: Any) -> dict[str, Any]:
     from dataclasses import asdict
 
     return asdict(run)
+
+
+# -- watching: status, doctor and metrics live in cli_observe.py --------------------------------
+from . import cli_observe  # noqa: E402
+
+durable.add_command(cli_observe.status)
+durable.add_command(cli_observe.doctor)
+durable.add_command(cli_observe.metrics)

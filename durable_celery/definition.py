@@ -100,6 +100,8 @@ class Workflow:
     idempotency: str = "optional"
     timeout: float | None = None
     queue: str | None = None
+    # Extra metadata for every log line a step logs: a callable on the run input returning a dict.
+    log_metadata: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
     steps: list[Step] = field(default_factory=list)
     durable: Durable | None = None
     shared: bool = False
@@ -119,6 +121,8 @@ class Workflow:
         if self.key is not None and not (isinstance(self.key, str) or callable(self.key)):
             raise InvalidDefinition("key must be a template str or a callable on the input")
         _check_seconds("timeout", self.timeout)
+        if self.log_metadata is not None and not callable(self.log_metadata):
+            raise InvalidDefinition("log_metadata must be a callable on the run input returning a dict")
         if self.debounce is not None:
             if not isinstance(self.debounce, Mapping) or "period" not in self.debounce:
                 raise InvalidDefinition("debounce needs {'period': seconds[, 'timeout': seconds]}")

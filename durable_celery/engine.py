@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import signals
+from . import instrument, signals
 from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import DurableError, RunStopped, StepTimeout
@@ -189,6 +189,7 @@ class Outcome:
     stopped: str | None = None
     parked: Parked | None = None
     snoozed: Snoozed | None = None
+    logs: list[dict[str, Any]] | None = None  # captured log lines, saved on the step row
 
 
 class Engine:
@@ -246,10 +247,14 @@ class Engine:
         )
         if row.step_name is not None and row.step_name != step.name:
             return self._definition_changed(workflow, step, row, ctx, started)
+        # -- observability hook (instrument.py): the attempt's span and log capture --------------
+        with instrument.observe_step(self.durable, workflow, ctx, row) as observed:
+            outcome = self._call(step, ctx, compensate=compensate)
+            observed.finish(outcome)
+        outcome.logs = observed.logs
+        # -----------------------------------------------------------------------------------------
         if compensate:
-            outcome = self._call(step, ctx, compensate=True)
             return self._record_compensation(workflow, step, row, ctx, outcome, started)
-        outcome = self._call(step, ctx)
         return self._record(workflow, step, row, ctx, outcome, started)
 
     def _call(self, step: Step, ctx: RunContext, compensate: bool = False) -> Outcome:
@@ -316,6 +321,7 @@ class Engine:
             "worker": self.node,
             "started_at": started,
             "finished_at": utcnow(),
+            "logs": outcome.logs,  # log capture (logs.py)
         }
         run_values, status = self._next_state(workflow, step, row, ctx, outcome, last)
         if outcome.error is None:
@@ -452,6 +458,7 @@ class Engine:
             "worker": self.node,
             "started_at": started,
             "finished_at": utcnow(),
+            "logs": outcome.logs,
         }
         if outcome.error is None:
             step_row.update(status="completed", output=_json_or_none(outcome.value))
@@ -605,5 +612,6 @@ def _check_json(outcome: Outcome, ctx: RunContext) -> Outcome:
         json.dumps(outcome.value, allow_nan=False)
         json.dumps(ctx.context, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        return Outcome(error=TypeError(f"a step's return value and context must be JSON: {exc}"))
+        error = TypeError(f"a step's return value and context must be JSON: {exc}")
+        return Outcome(error=error, logs=outcome.logs)
     return outcome

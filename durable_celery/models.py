@@ -69,6 +69,8 @@ class StepRecord:
     finished_at: datetime
     # "step" for the step's own attempts, "compensate" for its compensation's.
     phase: str = "step"
+    # Lines the attempt logged at a captured level (see logs.py); None when capture was off.
+    logs: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> StepRecord:

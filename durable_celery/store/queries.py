@@ -35,6 +35,7 @@ _CLAIM_COLUMNS = (
     runs.c.parent_id,
     runs.c.losses,
     runs.c.wait_name,
+    runs.c.trace_parent,
 )
 
 _HOLDS_KEY = select(keys.c.holder_id).where(keys.c.holder_id == runs.c.id).exists().label("holds_key")

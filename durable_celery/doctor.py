@@ -1,0 +1,186 @@
+"""``durable doctor`` and ``durable status``: stuck state found, the safe part of it repaired.
+
+Findings (``Finding.kind``):
+
+* ``waiting_unwakeable``: a waiting run with no timer and nothing to wait for (no event name,
+  or a sleep without an end). Nothing will ever make it due; cancel or retry it.
+* ``missed_wakeup``: a waiting run whose event is kept for it but which was never made due.
+  ``--fix`` makes it due now.
+* ``stale_lock``: a run locked by a worker silent for longer than ``stale_lock_timeout``.
+  ``--fix`` runs the same sweep as the workers' upkeep (hand it back, or fail it after
+  ``max_losses``).
+* ``unsent``: a run due for a while whose message was never sent, or was sent and neither
+  claimed nor re-sent (no worker's upkeep is running). ``--fix`` runs the outbox relay.
+* ``stalled_compensation``: a compensating run nobody holds and that is not due.
+* ``disabled_schedule``: a cron schedule turned off; it fires again only once re-enabled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .models import aware
+from .store import doctor_rows, observe_rows
+from .store.db import utcnow
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+LIMIT = 1000  # findings per kind
+UNSENT_AFTER = 30.0  # seconds a due, never-sent run may wait for the relay before it is a finding
+FIXABLE = ("missed_wakeup", "stale_lock", "unsent")
+
+
+@dataclass
+class Finding:
+    """One piece of stuck state: what kind, which run (or schedule), and what to do about it."""
+
+    kind: str
+    message: str
+    run_id: str | None = None
+    workflow: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    fixable: bool = False
+    fixed: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The finding as plain JSON-ready values."""
+        return asdict(self)
+
+
+def _run_finding(kind: str, row: Any, message: str, **details: Any) -> Finding:
+    return Finding(
+        kind=kind,
+        message=message,
+        run_id=row.id,
+        workflow=row.workflow,
+        details={"key": row.key, "status": row.status, "step_index": row.step_index, **details},
+        fixable=kind in FIXABLE,
+    )
+
+
+def diagnose(durable: Durable) -> list[Finding]:
+    """Every finding, without changing anything."""
+    db, s = durable.db, durable.settings
+    with db.engine.connect() as conn:
+        unwakeable = doctor_rows.unwakeable_waiting(conn, LIMIT)
+        missed = doctor_rows.missed_wakeups(conn, LIMIT)
+        stale = doctor_rows.stale_locks(db, conn, s.stale_lock_timeout, LIMIT)
+        unsent = doctor_rows.unsent_due_runs(
+            db, conn, max(UNSENT_AFTER, s.poll_interval), s.relay_after, LIMIT
+        )
+        compensations = doctor_rows.stalled_compensations(conn, LIMIT)
+        disabled = observe_rows.disabled_schedules(conn)
+    found = [
+        _run_finding(
+            "waiting_unwakeable", r, "waiting with no timer and nothing to wait for", wait=r.wait_name
+        )
+        for r in unwakeable
+    ]
+    found += [
+        _run_finding("missed_wakeup", r, f"its event {r.wait_name!r} came but it was never woken")
+        for r in missed
+    ]
+    found += [
+        _run_finding(
+            "stale_lock",
+            r,
+            f"locked by {r.locked_by}, silent since {_when(r.heartbeat_at)}",
+            locked_by=r.locked_by,
+            heartbeat_at=_when(r.heartbeat_at),
+        )
+        for r in stale
+    ]
+    found += [
+        _run_finding(
+            "unsent",
+            r,
+            f"due since {_when(r.due_at)} and {'sent but never claimed' if r.published else 'never sent'}",
+            due_at=_when(r.due_at),
+        )
+        for r in unsent
+    ]
+    found += [
+        _run_finding("stalled_compensation", r, "compensating, but nobody holds it and it is not due")
+        for r in compensations
+    ]
+    found += [
+        Finding(
+            kind="disabled_schedule",
+            message=f"schedule {r.name!r} is turned off after {r.failures} failure(s)",
+            workflow=r.workflow,
+            details={"schedule": r.name, "key": r.key, "last_outcome": r.last_outcome},
+        )
+        for r in disabled
+    ]
+    return found
+
+
+def _when(value: Any) -> str | None:
+    value = aware(value)
+    return None if value is None else value.isoformat()
+
+
+def repair(durable: Durable) -> dict[str, int]:
+    """The safe repairs: wake missed wake-ups, sweep stale locks, relay unsent runs."""
+    from .upkeep import relay_once, sweep_stale_once
+
+    db = durable.db
+    with db.engine.connect() as conn:
+        missed = doctor_rows.missed_wakeups(conn, LIMIT)
+    woken = 0
+    for row in missed:
+        with db.begin() as conn:
+            woken += doctor_rows.wake_missed_txn(db, conn, row.id)
+    handed_back, failed = sweep_stale_once(durable)
+    sent = relay_once(durable)
+    return {"woken": woken, "handed_back": len(handed_back), "failed": len(failed), "sent": sent}
+
+
+def doctor(durable: Durable, fix: bool = False) -> list[Finding]:
+    """Find stuck state; with ``fix`` repair what is safe and mark those findings ``fixed``."""
+    found = diagnose(durable)
+    if not fix or not any(f.fixable for f in found):
+        return found
+    repair(durable)
+    remaining = {(f.kind, f.run_id) for f in diagnose(durable)}
+    for finding in found:
+        finding.fixed = finding.fixable and (finding.kind, finding.run_id) not in remaining
+    return found
+
+
+def summary(durable: Durable) -> dict[str, Any]:
+    """Runs per status, the ready backlog and its oldest run, stale locks, nodes, schedules."""
+    db, s = durable.db, durable.settings
+    with db.engine.connect() as conn:
+        by_status = observe_rows.count_by_status(conn)
+        ready = observe_rows.ready_by_workflow(db, conn)
+        stale = observe_rows.stale_lock_count(db, conn, s.stale_lock_timeout)
+        nodes = observe_rows.list_nodes(conn)
+        disabled = observe_rows.disabled_schedules(conn)
+        per_workflow = observe_rows.unfinished_by_workflow(conn)
+    now = utcnow()
+    due = [d for d in (aware(r.oldest) for r in ready) if d is not None]
+    oldest = min(due, default=None)
+    return {
+        "runs": by_status,
+        "unfinished_by_workflow": [
+            {"workflow": r.workflow, "status": r.status, "runs": r.n} for r in per_workflow
+        ],
+        "ready": sum(r.ready for r in ready),
+        "ready_by_workflow": {r.workflow: r.ready for r in ready},
+        "oldest_ready_seconds": None if oldest is None else max(0.0, (now - oldest).total_seconds()),
+        "stale_locks": stale,
+        "disabled_schedules": [r.name for r in disabled],
+        "nodes": [
+            {
+                "name": n.name,
+                "queues": n.queues,
+                "pid": n.pid,
+                "draining": n.draining,
+                "seen_seconds_ago": max(0.0, (now - aware(n.seen_at)).total_seconds()),  # type: ignore[operator]
+            }
+            for n in nodes
+        ],
+    }

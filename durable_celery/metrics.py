@@ -1,0 +1,267 @@
+"""Prometheus metrics (the ``[metrics]`` extra): what is worth an alert in production.
+
+``durable.metrics`` holds a registry with two kinds of metrics:
+
+* **counters fed by signals** in the process that runs the steps (``run_finished``,
+  ``stale_recovered``, ``worker_fenced``, and Celery's ``task_failure`` of a step task, which
+  means a step's result could not be recorded: a failed ack);
+* **gauges read from the database at scrape time**, the same from any process: the ready
+  backlog and the age of the oldest ready run per workflow, unfinished runs per status, runs
+  finished in the last hour per status, stale locks and disabled schedules.
+
+Serve them with ``durable.metrics.start_http_server(9808)``, with the ``metrics_port`` setting
+(each worker serves them while it runs), or with ``celery -A app durable metrics --port
+9808`` (database gauges only: the counters live in the workers). Under the prefork pool the
+steps run in child processes: set ``PROMETHEUS_MULTIPROC_DIR`` so the children's counters are
+merged into what the worker serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from celery import signals as celery_signals
+
+from . import signals
+from .errors import NotConfigured
+from .store import observe_rows
+from .store.db import utcnow
+from .store.schema import UNFINISHED
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+log = logging.getLogger("durable_celery")
+
+RECENT = 3600.0  # the window of durable_runs_finished_recent, seconds
+
+
+def _client() -> Any:
+    try:
+        import prometheus_client
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise NotConfigured(
+            "durable metrics need prometheus-client: pip install 'durable-celery[metrics]'"
+        ) from exc
+    return prometheus_client
+
+
+class DatabaseCollector:
+    """Gauges computed from the database each time the registry is scraped."""
+
+    def __init__(self, durable: Durable) -> None:
+        self.durable = durable
+
+    def describe(self) -> list[Any]:
+        """No metrics up front, so registering never touches the database."""
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        """Read the backlog, statuses, stale locks and schedules; one gauge family each."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        up = GaugeMetricFamily("durable_database_up", "1 if the last scrape could read the database")
+        try:
+            families = self._read(GaugeMetricFamily)
+        except Exception:  # a scrape during a database restart reports it instead of failing
+            log.exception("durable metrics: reading the database failed")
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+
+    def _read(self, gauge: Any) -> list[Any]:
+        durable, db = self.durable, self.durable.db
+        with db.engine.connect() as conn:
+            ready = observe_rows.ready_by_workflow(db, conn)
+            unfinished = observe_rows.unfinished_by_workflow(conn)
+            recent = observe_rows.finished_since(db, conn, RECENT)
+            stale = observe_rows.stale_lock_count(db, conn, durable.settings.stale_lock_timeout)
+            disabled = observe_rows.disabled_schedules(conn)
+        now = utcnow()
+        backlog = gauge("durable_ready_runs", "Runs due and waiting for a worker", labels=["workflow"])
+        oldest = gauge(
+            "durable_oldest_ready_run_age_seconds",
+            "How long the oldest ready run has been waiting for a worker",
+            labels=["workflow"],
+        )
+        for row in ready:
+            backlog.add_metric([row.workflow], row.ready)
+            oldest.add_metric([row.workflow], max(0.0, (now - _aware(row.oldest)).total_seconds()))
+        runs = gauge("durable_runs", "Unfinished runs per workflow and status", labels=["workflow", "status"])
+        counted = {(r.workflow, r.status): r.n for r in unfinished}
+        for workflow in sorted({w for w, _ in counted} | set(durable.workflows)):
+            for status in UNFINISHED:
+                runs.add_metric([workflow, status], counted.get((workflow, status), 0))
+        finished = gauge(
+            "durable_runs_finished_recent",
+            f"Runs that finished in the last {int(RECENT)} s, per workflow and final status",
+            labels=["workflow", "status"],
+        )
+        for row in recent:
+            finished.add_metric([row.workflow, row.status], row.n)
+        stale_gauge = gauge("durable_stale_locks", "Runs locked by a worker that stopped heart-beating")
+        stale_gauge.add_metric([], stale)
+        schedules = gauge("durable_schedules_disabled", "Cron schedules turned off")
+        schedules.add_metric([], len(disabled))
+        return [backlog, oldest, runs, finished, stale_gauge, schedules]
+
+
+def _aware(value: Any) -> Any:
+    from .models import aware
+
+    return aware(value)
+
+
+class DurableMetrics:
+    """The Prometheus metrics of one ``Durable``: counters fed by signals, database gauges."""
+
+    def __init__(self, durable: Durable, registry: Any = None) -> None:
+        client = _client()
+        self.durable = durable
+        self.registry = registry if registry is not None else client.CollectorRegistry()
+        counter = client.Counter
+        self.runs_finished = counter(
+            "durable_runs_finished",
+            "Runs that reached a final status, per workflow and status",
+            ["workflow", "status"],
+            registry=self.registry,
+        )
+        self.stale_recovered = counter(
+            "durable_stale_recovered",
+            "Runs taken back from a vanished worker (outcome: handed_back or failed)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.worker_fenced = counter(
+            "durable_worker_fenced",
+            "Step results dropped because another worker had taken the run over",
+            ["workflow"],
+            registry=self.registry,
+        )
+        self.ack_failed = counter(
+            "durable_ack_failed",
+            "Step messages whose result could not be recorded (the task raised out of the engine)",
+            ["task"],
+            registry=self.registry,
+        )
+        self.steps_finished = counter(
+            "durable_steps_finished",
+            "Recorded step attempts, per workflow, step and status",
+            ["workflow", "step", "status"],
+            registry=self.registry,
+        )
+        self.collector = DatabaseCollector(durable)
+        self.registry.register(self.collector)
+        self.server: Any = None  # the HTTP server of start_http_server, once started
+        self._connect()
+
+    def _connect(self) -> None:
+        sender = self.durable
+        signals.run_finished.connect(self._on_run_finished, sender=sender)
+        signals.step_finished.connect(self._on_step_finished, sender=sender)
+        signals.stale_recovered.connect(self._on_stale_recovered, sender=sender)
+        signals.worker_fenced.connect(self._on_worker_fenced, sender=sender)
+        celery_signals.task_failure.connect(self._on_task_failure)
+
+    def _on_run_finished(self, sender: Any = None, workflow: str = "", status: str = "", **_: Any) -> None:
+        self.runs_finished.labels(workflow, status).inc()
+
+    def _on_step_finished(
+        self, sender: Any = None, workflow: str = "", step: str = "", status: str = "", **_: Any
+    ) -> None:
+        self.steps_finished.labels(workflow, step, status).inc()
+
+    def _on_stale_recovered(
+        self, sender: Any = None, run_ids: Any = (), failed_ids: Any = (), **_: Any
+    ) -> None:
+        if run_ids:
+            self.stale_recovered.labels("handed_back").inc(len(run_ids))
+        if failed_ids:
+            self.stale_recovered.labels("failed").inc(len(failed_ids))
+
+    def _on_worker_fenced(self, sender: Any = None, workflow: str = "", **_: Any) -> None:
+        self.worker_fenced.labels(workflow).inc()
+
+    def _on_task_failure(self, sender: Any = None, **_: Any) -> None:
+        name = getattr(sender, "name", "") or ""
+        if name.startswith("durable.") and getattr(sender, "app", None) is self.durable.app:
+            self.ack_failed.labels(name).inc()
+
+    def register(self, registry: Any) -> None:
+        """Also expose these metrics in another registry (e.g. ``prometheus_client.REGISTRY``)."""
+        for collector in (
+            self.runs_finished,
+            self.steps_finished,
+            self.stale_recovered,
+            self.worker_fenced,
+            self.ack_failed,
+            self.collector,
+        ):
+            registry.register(collector)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format, as a scrape would get it."""
+        return bytes(_client().generate_latest(self.registry))
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample's current value (e.g. ``value("durable_ready_runs", {"workflow": "x"})``)."""
+        found = self.registry.get_sample_value(name, labels or {})
+        return None if found is None else float(found)
+
+    def serving_registry(self) -> Any:
+        """What an HTTP endpoint serves: this registry, or the merged counters of every process
+        (``PROMETHEUS_MULTIPROC_DIR``) with this process's database gauges."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return self.registry
+        client = _client()
+        from prometheus_client import multiprocess
+
+        merged = client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        merged.register(self.collector)
+        return merged
+
+    def start_http_server(self, port: int, addr: str = "0.0.0.0") -> Any:
+        """Serve ``/metrics`` on ``port`` from a daemon thread; returns the HTTP server."""
+        started = _client().start_http_server(port, addr=addr, registry=self.serving_registry())
+        server = self.server = started[0] if isinstance(started, tuple) else started
+        log.info("durable: metrics on http://%s:%s/metrics", addr, getattr(server, "server_port", port))
+        return server
+
+
+class Endpoint:
+    """The /metrics endpoint a worker serves while it runs."""
+
+    def __init__(self, durable: Durable, port: int) -> None:
+        self.durable = durable
+        self.port = port
+
+    def start(self) -> None:
+        """Start serving."""
+        self.durable.metrics.start_http_server(self.port)
+
+    def stop(self) -> None:
+        """Stop serving."""
+        metrics = self.durable.metrics
+        server, metrics.server = metrics.server, None
+        if server is not None:
+            server.shutdown()
+
+
+def serve_from_worker(durable: Durable, port: int) -> None:
+    """Serve the metrics endpoint from each worker of ``durable.app`` (a worker bootstep)."""
+    from celery import bootsteps
+
+    class DurableMetricsEndpoint(bootsteps.StartStopStep):
+        """Durable's /metrics endpoint, started and stopped with the worker."""
+
+        def create(self, worker: Any) -> Endpoint:
+            return Endpoint(durable, port)
+
+    durable.app.steps["worker"].add(DurableMetricsEndpoint)
