@@ -16,11 +16,13 @@ from .errors import (
     NotFinished,
     RunNotFound,
     RunStopped,
+    ScheduleNotFound,
     StepTimeout,
     UnknownWorkflow,
     Unsupported,
 )
 from .models import Run, StepRecord
+from .schedules import Schedule
 
 __version__ = "0.1.0"
 
@@ -34,6 +36,7 @@ __all__ = [
     "Workflow",
     "Run",
     "StepRecord",
+    "Schedule",
     "DurableError",
     "InvalidArgument",
     "InvalidDefinition",
@@ -46,6 +49,7 @@ __all__ = [
     "NotFinished",
     "RunNotFound",
     "RunStopped",
+    "ScheduleNotFound",
     "StepTimeout",
     "UnknownWorkflow",
     "Unsupported",

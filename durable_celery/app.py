@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery
 
-from . import control, observe, transport
+from . import control, observe, schedules, transport
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -25,6 +25,7 @@ from .errors import (
 from .keys import start_run
 from .models import Run, StepRecord
 from .observe import Activity, KeyEntry, PendingInput, Stats
+from .schedules import UNSET, Schedule
 from .store import migrate as migrations
 from .store import queries
 from .store.db import Clock, Database
@@ -53,6 +54,8 @@ class Settings:
     publish_retries: int = 2
     upkeep: bool = True
     home: str = EMBEDDED_HOME
+    schedule_pickup_timeout: float = 900.0
+    schedule_max_failures: int = 5
 
     @classmethod
     def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:
@@ -81,10 +84,14 @@ class Settings:
             "sweep_interval",
             "backoff_base",
             "backoff_max",
+            "schedule_pickup_timeout",
         ):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+        limit = settings.schedule_max_failures
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
         if settings.database_url is None:
             path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
             settings = replace(settings, database_url=f"sqlite:///{path}")
@@ -117,6 +124,7 @@ class Durable:
         from .upkeep import install
 
         install(self)
+        schedules.install(self)
         _live.add(self)
         for workflow in _shared:
             if workflow.name is not None:
@@ -393,6 +401,60 @@ class Durable:
     def pending_migrations(self) -> list[str]:
         """Revisions the database still lacks (empty when up to date)."""
         return migrations.pending_revisions(self.db)
+
+    # -- keyed schedules (see schedules.py and docs/schedules.md) ----------------------------
+
+    def beat_entry(
+        self,
+        workflow: str | Workflow,
+        schedule: Any,
+        key: str | None = None,
+        input: Mapping[str, Any] | None = None,
+        name: str | None = None,
+    ) -> dict[str, Any]:
+        """An ``app.conf.beat_schedule`` entry whose fires start ``workflow`` with ``key``."""
+        return schedules.beat_entry(self, workflow, schedule, key, input, name)
+
+    def schedule(
+        self,
+        workflow: str | Workflow,
+        cron: Any,
+        key: str | None = None,
+        input: Mapping[str, Any] | None = None,
+        name: str | None = None,
+    ) -> Schedule:
+        """Create (or redefine) a keyed schedule at run time, stored as a RedBeat entry."""
+        return schedules.create(self, workflow, cron, key, input, name)
+
+    def list_schedules(self) -> list[Schedule]:
+        """Every keyed schedule (configured and run-time), by name."""
+        return schedules.list_all(self)
+
+    def get_schedule(self, name: str) -> Schedule:
+        """One schedule by name; ScheduleNotFound if there is none."""
+        return schedules.get(self, name)
+
+    def update_schedule(
+        self, name: str, cron: Any = UNSET, *, workflow: Any = UNSET, key: Any = UNSET, input: Any = UNSET
+    ) -> Schedule:
+        """Change a run-time schedule's timing, workflow, key or input; the next fire uses them."""
+        return schedules.update(self, name, cron, workflow, key, input)
+
+    def enable_schedule(self, name: str) -> Schedule:
+        """Switch a schedule on again; its failure count starts from 0."""
+        return schedules.switch(self, name, True)
+
+    def disable_schedule(self, name: str) -> Schedule:
+        """Switch a schedule off: its fires start nothing until it is enabled."""
+        return schedules.switch(self, name, False)
+
+    def delete_schedule(self, name: str) -> bool:
+        """Delete a run-time schedule and its state; False if there was none."""
+        return schedules.remove(self, name)
+
+    def trigger_schedule(self, name: str) -> str:
+        """Fire a schedule now, with its key: the run id started or the key's holder's id."""
+        return schedules.trigger(self, name)
 
 
 def live_durables() -> list[Durable]:
