@@ -177,3 +177,6 @@ def _run_dict(run: Any) -> dict[str, Any]:
     from dataclasses import asdict
 
     return asdict(run)
+
+
+from . import cli_schedules  # noqa: E402, F401  (adds `durable schedules` to the group)

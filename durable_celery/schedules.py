@@ -24,7 +24,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as every
 
 from .definition import SendEvent, Workflow, check_input
-from .errors import DurableError, InvalidArgument, KeyTaken, ScheduleNotFound
+from .errors import DurableError, InvalidArgument, KeyTaken, ScheduleNotFound, Unsupported
 from .keys import start_run
 from .models import aware
 from .store import activity_rows, queries, schedule_rows
@@ -213,12 +213,16 @@ def create(durable: Durable, workflow: Any, cron: Any, key: Any, input: Any, nam
     name = kwargs["name"]
     if name in config_entries(durable.app):
         raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule")
-    redbeat = uses_redbeat(durable.app)
+    if not uses_redbeat(durable.app):
+        raise Unsupported(
+            "run-time schedules are RedBeat entries: set app.conf.redbeat_redis_url and run "
+            "`celery beat -S redbeat.RedBeatScheduler`, or put durable.beat_entry(...) in beat_schedule"
+        )
     with durable.db.begin() as conn:
         schedule_rows.upsert_schedule_txn(durable.db, conn, _row_values(kwargs), replace=True)
         row = schedule_rows.fetch_schedule(conn, name)
-        if redbeat:  # written last, inside the transaction: a Redis error writes nothing
-            _save_redbeat(durable.app, name, sched, kwargs, row.enabled)
+        # Written last, inside the transaction: a Redis error writes nothing.
+        _save_redbeat(durable.app, name, sched, kwargs, row.enabled)
     return get(durable, name)
 
 
@@ -287,6 +291,10 @@ def get(durable: Durable, name: str) -> Schedule:
     entry = _redbeat_entry(app, name) if uses_redbeat(app) else None
     if entry is not None and entry.task != FIRE_TASK:
         entry = None
+    if entry is not None:  # a beat_schedule entry RedBeat stored under its beat_schedule name
+        name = (entry.kwargs or {}).get("name") or name
+    elif uses_redbeat(app) and name not in config:
+        entry = redbeat_entries(app).get(name)
     with durable.db.engine.connect() as conn:
         row = schedule_rows.fetch_schedule(conn, name)
     if config.get(name) is None and entry is None and row is None:
