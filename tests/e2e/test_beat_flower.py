@@ -26,7 +26,6 @@ from celery import Celery
 
 from durable_celery import Durable
 from durable_celery.store.db import utcnow
-
 from tests.conftest import PG_HOST, REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +144,7 @@ def duplicates(durable: Durable, workflow: str, outcome: str) -> list[Any]:
 
 def assert_one_at_a_time(runs: list[Any]) -> None:
     started = sorted((r for r in runs if r.started_at is not None), key=lambda r: r.started_at)
-    for earlier, later in zip(started, started[1:]):
+    for earlier, later in zip(started, started[1:], strict=False):
         assert earlier.finished_at is not None and earlier.finished_at <= later.started_at, (earlier, later)
 
 
