@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery
 
-from . import control, observe, schedules, transport
+from . import control, observe, schedule_fires, schedules, transport
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -124,7 +124,7 @@ class Durable:
         from .upkeep import install
 
         install(self)
-        schedules.install(self)
+        schedule_fires.install(self)
         _live.add(self)
         for workflow in _shared:
             if workflow.name is not None:
