@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 from celery import Celery
@@ -211,3 +212,30 @@ def test_run_time_schedules_are_redbeat_entries(redbeat_durable):
         RedBeatSchedulerEntry.from_key(entry.key, app=durable.app)
     assert durable.list_schedules() == []
     assert durable.delete_schedule("five") is False
+
+
+def test_a_beat_back_from_downtime_fires_once_not_once_per_missed_slot(redbeat_durable, redis_client):
+    from celery.beat import Scheduler
+    from redbeat import RedBeatScheduler
+
+    durable = redbeat_durable
+    durable.app.conf.redbeat_lock_key = None  # one in-process scheduler: no beat lock
+    wf = define(durable)
+    durable.schedule(wf, "* * * * *", key="k", name="minutely")
+    durable.app.conf.beat_schedule = {"hourly": durable.beat_entry(wf, "0 * * * *", key="h")}
+    queue = durable.app.conf.task_default_queue
+    five_slots_ago = durable.app.now() - timedelta(minutes=5, seconds=1)
+    hours_ago = durable.app.now() - timedelta(hours=3, seconds=1)
+
+    redbeat = RedBeatScheduler(app=durable.app)
+    redbeat.schedule["minutely"].reschedule(last_run_at=five_slots_ago)  # beat was down 5 minutes
+    for _ in range(3):
+        redbeat.tick()
+    assert redis_client.llen(queue) == 1
+
+    default = Scheduler(app=durable.app)  # Celery's own scheduler, as on the embedded default
+    default.schedule["hourly"].last_run_at = hours_ago
+    for _ in range(3):
+        default.tick()
+    assert redis_client.llen(queue) == 2
+    redis_client.delete(queue)
