@@ -43,7 +43,9 @@ def fire(
     db = durable.db
     with db.engine.connect() as conn:
         row = schedule_rows.fetch_schedule(conn, name)
-    if row is None:  # first fire of a beat_schedule entry
+    if row is None:  # first fire of a beat_schedule entry, or a late fire of a deleted schedule
+        if was_deleted(durable, name):
+            return {"outcome": "deleted", "run_id": None}
         values = {"name": name, "workflow": workflow, "key": key, "schedule": schedule, "input": input}
         with db.begin() as conn:
             schedule_rows.upsert_schedule_txn(db, conn, values, replace=False)
@@ -62,6 +64,14 @@ def fire(
             log.warning("durable: schedule %s could not start: %s", name, result["error"])
     record(durable, row, verdict, result)
     return result
+
+
+def was_deleted(durable: Durable, name: str) -> bool:
+    """Is this a RedBeat schedule deleted after beat sent this fire? (Then it starts nothing.)"""
+    from .schedules import config_entries, redbeat_entry, uses_redbeat
+
+    app = durable.app
+    return uses_redbeat(app) and name not in config_entries(app) and redbeat_entry(app, name) is None
 
 
 def verdict_counts(verdict: str | None) -> int:

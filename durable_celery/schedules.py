@@ -178,7 +178,8 @@ def redbeat_entries(app: Any) -> dict[str, Any]:
     return found
 
 
-def _redbeat_entry(app: Any, name: str) -> Any:
+def redbeat_entry(app: Any, name: str) -> Any:
+    """The RedBeat entry stored under ``name``, or None."""
     from redbeat.schedulers import RedBeatSchedulerEntry, ensure_conf
 
     ensure_conf(app)
@@ -191,7 +192,7 @@ def _redbeat_entry(app: Any, name: str) -> Any:
 def _save_redbeat(app: Any, name: str, sched: Any, kwargs: dict[str, Any], enabled: bool) -> None:
     from redbeat.schedulers import RedBeatSchedulerEntry
 
-    entry = _redbeat_entry(app, name)
+    entry = redbeat_entry(app, name)
     if entry is None:
         # A new entry counts from now: its first fire is its first slot, not at once.
         entry = RedBeatSchedulerEntry(
@@ -204,7 +205,7 @@ def _save_redbeat(app: Any, name: str, sched: Any, kwargs: dict[str, Any], enabl
 
 
 def switch_redbeat(app: Any, name: str, enabled: bool) -> None:
-    entry = _redbeat_entry(app, name) if uses_redbeat(app) else None
+    entry = redbeat_entry(app, name) if uses_redbeat(app) else None
     if entry is not None and entry.enabled != enabled:
         entry.enabled = enabled
         entry.save()
@@ -268,7 +269,7 @@ def remove(durable: Durable, name: str) -> bool:
     """Delete a run-time schedule and its state; False if there was none."""
     if name in config_entries(durable.app):
         raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule; remove it there")
-    entry = _redbeat_entry(durable.app, name) if uses_redbeat(durable.app) else None
+    entry = redbeat_entry(durable.app, name) if uses_redbeat(durable.app) else None
     if entry is not None:
         entry.delete()
     with durable.db.begin() as conn:
@@ -294,7 +295,7 @@ def get(durable: Durable, name: str) -> Schedule:
     config = config_entries(app)
     by_conf_name = {e["conf_name"]: n for n, e in config.items()}
     name = name if name in config else by_conf_name.get(name, name)
-    entry = _redbeat_entry(app, name) if uses_redbeat(app) else None
+    entry = redbeat_entry(app, name) if uses_redbeat(app) else None
     if entry is not None and entry.task != FIRE_TASK:
         entry = None
     if entry is not None:  # a beat_schedule entry RedBeat stored under its beat_schedule name

@@ -212,6 +212,9 @@ def test_run_time_schedules_are_redbeat_entries(redbeat_durable):
         RedBeatSchedulerEntry.from_key(entry.key, app=durable.app)
     assert durable.list_schedules() == []
     assert durable.delete_schedule("five") is False
+    late = schedules_module.fire(durable, **entry.kwargs)  # a fire beat sent before the delete
+    assert late == {"outcome": "deleted", "run_id": None}
+    assert durable.list_schedules() == [] and len(durable.list_runs()) == 1
 
 
 def test_a_beat_back_from_downtime_fires_once_not_once_per_missed_slot(redbeat_durable, redis_client):
