@@ -127,15 +127,18 @@ def beat_entry(
 ) -> dict[str, Any]:
     """An ``app.conf.beat_schedule`` entry whose fires start ``workflow`` with ``key``."""
     sched, kwargs = _definition(durable, workflow, cron, key, input, name)
-    return {"task": FIRE_TASK, "schedule": sched, "kwargs": kwargs, "options": fire_options(sched)}
+    return {"task": FIRE_TASK, "schedule": sched, "kwargs": kwargs, "options": fire_options(sched, kwargs)}
 
 
-def fire_options(sched: Any) -> dict[str, Any]:
-    """Message options of a fire: an interval's fire expires when the next one is due (at least
-    10 s), so workers back from an outage don't work through a backlog of stale fires."""
+def fire_options(sched: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Message options of a fire: what Flower shows as its arguments (not the input), and for an
+    interval an expiry when the next fire is due (at least 10 s), so workers back from an
+    outage don't work through a backlog of stale fires."""
+    shown = f"{{schedule: {kwargs['name']}, workflow: {kwargs['workflow']}, key: {kwargs['key']!r}}}"
+    options: dict[str, Any] = {"argsrepr": "()", "kwargsrepr": shown}
     if isinstance(sched, every):
-        return {"expires": max(sched.run_every.total_seconds(), 10.0)}
-    return {}
+        options["expires"] = max(sched.run_every.total_seconds(), 10.0)
+    return options
 
 
 def _row_values(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -196,11 +199,17 @@ def _save_redbeat(app: Any, name: str, sched: Any, kwargs: dict[str, Any], enabl
     if entry is None:
         # A new entry counts from now: its first fire is its first slot, not at once.
         entry = RedBeatSchedulerEntry(
-            name, FIRE_TASK, sched, kwargs=kwargs, options=fire_options(sched), enabled=enabled, app=app
+            name,
+            FIRE_TASK,
+            sched,
+            kwargs=kwargs,
+            options=fire_options(sched, kwargs),
+            enabled=enabled,
+            app=app,
         )
     else:
         entry.schedule, entry.kwargs, entry.enabled = sched, kwargs, enabled
-        entry.options = fire_options(sched)
+        entry.options = fire_options(sched, kwargs)
     entry.save()
 
 
@@ -379,6 +388,8 @@ def trigger(durable: Durable, name: str) -> str:
         raise KeyTaken(result["run_id"])
     if result["outcome"] == "error":
         raise InvalidArgument(f"schedule {current.name!r} could not start: {result['error']}")
+    if result["outcome"] == "disabled":
+        raise InvalidArgument(f"schedule {current.name!r} is disabled; enable it first")
     if result["run_id"] is None:  # this fire judged the last failure in a row
         raise InvalidArgument(f"schedule {current.name!r} is now disabled: its last run {result['outcome']}")
     return str(result["run_id"])

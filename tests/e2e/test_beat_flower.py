@@ -226,6 +226,9 @@ def test_flower_shows_step_tasks_with_run_id_key_step_and_attempt(stack: Durable
     assert task["name"] == "durable.quick.work"
     assert "key: 'flower-key'" in task["kwargs"] and "step: work" in task["kwargs"]
     assert "attempt: 1" in task["kwargs"]
+    tasks = http_json(f"{flower}/api/tasks?limit=1000&taskname=durable.fire_schedule") or {}
+    fires = [t["kwargs"] for t in tasks.values() if t["name"] == "durable.fire_schedule"]
+    assert "{schedule: slow:tick, workflow: slow, key: 'tick'}" in fires
 
 
 @pytest.mark.timeout(60)
