@@ -67,11 +67,15 @@ def fire(
 
 
 def was_deleted(durable: Durable, name: str) -> bool:
-    """Is this a RedBeat schedule deleted after beat sent this fire? (Then it starts nothing.)"""
-    from .schedules import config_entries, redbeat_entry, uses_redbeat
+    """Is this a run-time schedule deleted after beat sent this fire? (Then it starts nothing.)"""
+    from .schedules import config_entries, redbeat_entry, uses_durable_scheduler, uses_redbeat
 
     app = durable.app
-    return uses_redbeat(app) and name not in config_entries(app) and redbeat_entry(app, name) is None
+    if name in config_entries(app):
+        return False
+    if uses_redbeat(app):
+        return redbeat_entry(app, name) is None
+    return uses_durable_scheduler(app)
 
 
 def verdict_counts(verdict: str | None) -> int:

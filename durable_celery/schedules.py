@@ -153,6 +153,29 @@ def uses_redbeat(app: Any) -> bool:
     return bool(app.conf.get("redbeat_redis_url")) or "redbeat" in str(app.conf.get("beat_scheduler") or "")
 
 
+def uses_durable_scheduler(app: Any) -> bool:
+    """Is ``beat_scheduler`` the DurableScheduler (run-time schedules kept in the database)?"""
+    return "DurableScheduler" in str(app.conf.get("beat_scheduler") or "")
+
+
+def runtime_kwargs(durable: Durable, row: Any) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
+    """(Celery schedule, fire kwargs, message options) of a schedule kept in the database."""
+    try:
+        sched, text = parse_schedule(durable.app, row.schedule)
+    except InvalidArgument:
+        return None
+    wf = durable.workflows.get(row.workflow)
+    kwargs = {
+        "name": row.name,
+        "workflow": row.workflow,
+        "key": row.key,
+        "input": row.input or {},
+        "schedule": text,
+        "policy": _policy(wf) if wf is not None else None,
+    }
+    return sched, kwargs, fire_options(sched, kwargs)
+
+
 def config_entries(app: Any) -> dict[str, dict[str, Any]]:
     """Durable entries of ``app.conf.beat_schedule`` by schedule name (their ``name`` kwarg)."""
     found = {}
@@ -224,21 +247,23 @@ def switch_redbeat(app: Any, name: str, enabled: bool) -> None:
 
 
 def create(durable: Durable, workflow: Any, cron: Any, key: Any, input: Any, name: Any) -> Schedule:
-    """Create (or redefine) a schedule at run time, stored as a RedBeat entry."""
+    """Create (or redefine) a schedule at run time: a RedBeat entry, or a row DurableScheduler reads."""
     sched, kwargs = _definition(durable, workflow, cron, key, input, name)
     name = kwargs["name"]
     if name in config_entries(durable.app):
         raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule")
-    if not uses_redbeat(durable.app):
+    redbeat = uses_redbeat(durable.app)
+    if not redbeat and not uses_durable_scheduler(durable.app):
         raise Unsupported(
-            "run-time schedules are RedBeat entries: set app.conf.redbeat_redis_url and run "
-            "`celery beat -S redbeat.RedBeatScheduler`, or put durable.beat_entry(...) in beat_schedule"
+            "run-time schedules need RedBeat (set app.conf.redbeat_redis_url and run "
+            "`celery beat -S redbeat.RedBeatScheduler`) or, without Redis, "
+            'app.conf.beat_scheduler = "durable_celery.beat:DurableScheduler"'
         )
     with durable.db.begin() as conn:
         schedule_rows.upsert_schedule_txn(durable.db, conn, _row_values(kwargs), replace=True)
         row = schedule_rows.fetch_schedule(conn, name)
-        # Written last, inside the transaction: a Redis error writes nothing.
-        _save_redbeat(durable.app, name, sched, kwargs, row.enabled)
+        if redbeat:  # written last, inside the transaction: a Redis error writes nothing
+            _save_redbeat(durable.app, name, sched, kwargs, row.enabled)
     return get(durable, name)
 
 

@@ -179,9 +179,8 @@ def test_fires_refused_by_on_duplicate_error_are_skipped_and_not_counted(stack: 
     assert durable.activity(kinds=["schedule_disabled"]) == []
 
 
-@pytest.mark.timeout(90)
-def test_run_time_schedules_are_seen_by_the_running_beat(stack: Durable) -> None:
-    durable = stack
+def check_run_time_schedule(durable: Durable, logs: Callable[[], str]) -> None:
+    """Create, update and delete a schedule while beat runs; beat follows each change."""
     durable.schedule("quick", 1, key="dyn", input={"n": 1}, name="dyn")
 
     def completed_with(n: int) -> Callable[[], bool]:
@@ -189,9 +188,9 @@ def test_run_time_schedules_are_seen_by_the_running_beat(stack: Durable) -> None
             r.input.get("n") == n for r in durable.list_runs(workflow="quick", key="dyn", status="completed")
         )
 
-    wait_until(completed_with(1), 20, "a run of the new schedule", all_logs(durable))
+    wait_until(completed_with(1), 20, "a run of the new schedule", logs)
     durable.update_schedule("dyn", input={"n": 2})
-    wait_until(completed_with(2), 20, "a run with the updated input", all_logs(durable))
+    wait_until(completed_with(2), 20, "a run with the updated input", logs)
     assert durable.trigger_schedule("dyn")
     assert durable.delete_schedule("dyn")
     deleted_at = utcnow()
@@ -200,13 +199,18 @@ def test_run_time_schedules_are_seen_by_the_running_beat(stack: Durable) -> None
         tick = durable.get_schedule("slow:tick").last_fire_at
         return tick is not None and (tick - deleted_at).total_seconds() > 3
 
-    wait_until(beat_fired_thrice_since, 20, "more fires of another schedule", all_logs(durable))
+    wait_until(beat_fired_thrice_since, 20, "more fires of another schedule", logs)
     late = [
         r
         for r in durable.list_runs(workflow="quick", key="dyn", limit=1000)
         if (r.created_at - deleted_at).total_seconds() > 1.5  # a fire already sent may land
     ]
     assert late == []
+
+
+@pytest.mark.timeout(90)
+def test_run_time_schedules_are_seen_by_the_running_beat(stack: Durable) -> None:
+    check_run_time_schedule(stack, all_logs(stack))
 
 
 @pytest.mark.timeout(90)
@@ -250,7 +254,8 @@ def test_the_schedules_command_lists_key_next_fire_outcome_and_failures(stack: D
 
 @pytest.mark.timeout(90)
 def test_default_scheduler_on_the_embedded_default(tmp_path: Path) -> None:
-    """No Redis: Celery's own beat scheduler, the SQLite file and the serverless broker."""
+    """No Redis: Celery's own beat scheduler (as DurableScheduler, which adds run-time schedules),
+    the SQLite file and the serverless broker."""
     env = env_for(DURABLE_HOME=str(tmp_path / "home"))
     migrate = subprocess.run(
         celery("durable", "migrate"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
@@ -258,8 +263,12 @@ def test_default_scheduler_on_the_embedded_default(tmp_path: Path) -> None:
     assert migrate.returncode == 0, migrate.stderr
     processes = Processes(env, tmp_path)
     processes.start("worker", "worker", "-P", "threads", "-c", "4", "-l", "info")
-    processes.start("beat", "beat", "-s", str(tmp_path / "beat-schedule"), "-l", "info")
-    durable = Durable(Celery("reader", broker="memory://"), f"sqlite:///{tmp_path}/home/durable.sqlite3")
+    scheduler = "durable_celery.beat:DurableScheduler"  # Celery's default one, plus run-time schedules
+    processes.start("beat", "beat", "-S", scheduler, "-s", str(tmp_path / "beat-schedule"), "-l", "info")
+    app = Celery("reader", broker="memory://")
+    app.conf.beat_scheduler = scheduler
+    durable = Durable(app, f"sqlite:///{tmp_path}/home/durable.sqlite3", upkeep=False)
+    durable.workflow("quick").step(lambda **_: None, name="work")
     try:
 
         def two_completed() -> bool:
@@ -269,6 +278,7 @@ def test_default_scheduler_on_the_embedded_default(tmp_path: Path) -> None:
         logs = lambda: processes.log("beat")[-3000:] + processes.log("worker")[-3000:]  # noqa: E731
         wait_until(two_completed, 45, "two completed runs under the default scheduler", logs)
         assert_one_at_a_time(durable.list_runs(workflow="slow", key="tick", limit=1000))
+        check_run_time_schedule(durable, logs)
     finally:
         processes.stop()
         durable.db.dispose()

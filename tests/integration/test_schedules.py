@@ -12,7 +12,15 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab
 
-from durable_celery import Durable, InvalidArgument, InvalidKey, KeyTaken, ScheduleNotFound, UnknownWorkflow
+from durable_celery import (
+    Durable,
+    InvalidArgument,
+    InvalidKey,
+    KeyTaken,
+    ScheduleNotFound,
+    UnknownWorkflow,
+    Unsupported,
+)
 from durable_celery import schedules as schedules_module
 from durable_celery.store.db import utcnow
 from durable_celery.testing import wait_for, worker
@@ -163,6 +171,8 @@ def test_bad_input_raises_and_writes_nothing(durable):
         durable.trigger_schedule("none")
     with pytest.raises(ScheduleNotFound):
         durable.get_schedule("none")
+    with pytest.raises(Unsupported, match="RedBeat"):
+        durable.schedule(wf, 60, input={"n": 1})  # neither RedBeat nor DurableScheduler set up
     assert durable.beat_entry(wf, 60, input={"n": 3})["kwargs"]["key"] == "job:3"
     assert durable.list_schedules() == []
 
