@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from celery.schedules import crontab
+from celery.schedules import ParseException, crontab
 from celery.schedules import schedule as every
 
 from .definition import Workflow, check_input
@@ -75,7 +76,7 @@ def parse_schedule(app: Any, value: Any) -> tuple[Any, str]:
         with contextlib.suppress(ValueError):
             value = float(value[6:-1])
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not value > 0:
+        if not (value > 0 and math.isfinite(value)):
             raise InvalidArgument(f"a schedule interval must be positive seconds, not {value!r}")
         return every(timedelta(seconds=value), app=app), f"every {float(value):g}s"
     if not isinstance(value, str) or len(value.split()) != 5:
@@ -85,7 +86,7 @@ def parse_schedule(app: Any, value: Any) -> tuple[Any, str]:
     minute, hour, day_of_month, month_of_year, day_of_week = value.split()
     try:
         cron = crontab(minute, hour, day_of_week, day_of_month, month_of_year, app=app)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ParseException) as exc:
         raise InvalidArgument(f"bad cron text {value!r}: {exc}") from exc
     return cron, " ".join(value.split())
 

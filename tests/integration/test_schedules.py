@@ -157,8 +157,9 @@ def test_bad_input_raises_and_writes_nothing(durable):
         durable.beat_entry(wf, "61 * * * *", key="k")
     with pytest.raises(InvalidArgument):
         durable.beat_entry(wf, "every day", key="k")
-    with pytest.raises(InvalidArgument):
-        durable.beat_entry(wf, 0, key="k")
+    for bad in (0, -1, float("inf"), True, "--1 * * * *", "*/0 * * * *", "* * * *", None):
+        with pytest.raises(InvalidArgument):
+            durable.beat_entry(wf, bad, key="k")
     with pytest.raises(InvalidKey):
         durable.beat_entry(wf, 60, key="")
     with pytest.raises(InvalidKey):
