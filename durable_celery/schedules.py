@@ -302,7 +302,8 @@ def switch(durable: Durable, name: str, enabled: bool) -> Schedule:
 
 def remove(durable: Durable, name: str) -> bool:
     """Delete a run-time schedule and its state; False if there was none."""
-    if name in config_entries(durable.app):
+    config = config_entries(durable.app)
+    if name in config or name in {e["conf_name"] for e in config.values()}:
         raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule; remove it there")
     entry = redbeat_entry(durable.app, name) if uses_redbeat(durable.app) else None
     if entry is not None:
