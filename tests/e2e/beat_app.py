@@ -29,20 +29,24 @@ durable = Durable(app, poll_interval=0.2, heartbeat_interval=0.5, relay_after=30
 
 
 def define(name: str, **options: object) -> None:
-    """A one-step workflow that sleeps ``seconds`` and returns ``n``."""
+    """A one-step workflow that sleeps ``seconds`` and returns ``n``, or fails when told to."""
     wf = durable.workflow(name, **options)
 
     @wf.step
-    def work(n: int = 0, seconds: float = 0.0) -> int:
+    def work(n: int = 0, seconds: float = 0.0, fail: bool = False) -> int:
         time.sleep(seconds)
+        if fail:
+            raise RuntimeError("told to fail")
         return n
 
 
 define("slow")  # on_duplicate="use_existing"
 define("strict", on_duplicate="error")
 define("quick")
+define("failing")
 
 app.conf.beat_schedule = {
     "slow-every-second": durable.beat_entry("slow", 1, key="tick", input={"seconds": 2.5}),
     "strict-every-second": durable.beat_entry("strict", 1, key="only", input={"seconds": 2.5}),
+    "failing-every-second": durable.beat_entry("failing", 1, key="f", input={"fail": True}),
 }

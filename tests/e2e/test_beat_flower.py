@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from durable_celery import Durable
+from durable_celery import Durable, schedules
 from durable_celery.store.db import utcnow
 from tests.conftest import PG_HOST, REDIS_URL
 
@@ -120,7 +120,7 @@ def stack(pg_template: str, redis_client: Any, tmp_path_factory: pytest.TempPath
     app = Celery("beat_app", broker=REDIS_URL)
     app.conf.update(task_default_queue=queue, redbeat_redis_url=REDIS_URL, redbeat_key_prefix=prefix)
     durable = Durable(app, url, upkeep=False)
-    for name in ("slow", "strict", "quick"):
+    for name in ("slow", "strict", "quick", "failing"):
         durable.workflow(name).step(lambda **_: None, name="work")
     durable.flower = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     durable.processes = processes  # type: ignore[attr-defined]
@@ -176,7 +176,23 @@ def test_fires_refused_by_on_duplicate_error_are_skipped_and_not_counted(stack: 
     assert_one_at_a_time(durable.list_runs(workflow="strict", limit=1000))
     entry = durable.get_schedule("strict:only")
     assert entry.failures == 0 and entry.enabled
-    assert durable.activity(kinds=["schedule_disabled"]) == []
+    assert durable.activity(kinds=["schedule_disabled"], workflow="strict") == []
+
+
+@pytest.mark.timeout(90)
+def test_five_failed_fires_in_a_row_switch_a_schedule_off(stack: Durable) -> None:
+    durable = stack
+
+    def disabled() -> list[Any]:
+        return durable.activity(kinds=["schedule_disabled"], workflow="failing")
+
+    (off,) = wait_until(disabled, 45, "the failing schedule switched off", all_logs(durable))
+    assert off.details["schedule"] == "failing:f" and off.details["failures"] == 5
+    entry = durable.get_schedule("failing:f")
+    assert (entry.enabled, entry.failures, entry.last_outcome) == (False, 5, "failed")
+    runs = durable.list_runs(workflow="failing", limit=1000)
+    assert [r.status for r in runs] == ["failed"] * 5  # beat still sends fires: they start nothing
+    assert any("failing:f" in line for line in schedules.problems(durable))
 
 
 def check_run_time_schedule(durable: Durable, logs: Callable[[], str]) -> None:
