@@ -145,6 +145,8 @@ class Durable:
         self.app.conf.broker_transport_options = {
             "data_folder_in": folder,
             "data_folder_out": folder,
+            # Broadcasts (remote control, Flower) keep their exchange tables here, not in ./control.
+            "control_folder": os.path.join(folder, "control"),
             "polling_interval": 0.1,
         }
 
