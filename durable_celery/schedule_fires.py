@@ -197,9 +197,9 @@ def install(durable: Durable) -> None:
         schedule: str = "",
         policy: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """Fire a durable schedule: start its workflow with its key."""
         return fire(durable, name, workflow, key, input, schedule, policy)
 
-    fire_schedule.__doc__ = "Fire a durable schedule: start its workflow with its key."
     durable.app.task(name=FIRE_TASK, shared=False, ignore_result=True, serializer="json", typing=False)(
         fire_schedule
     )

@@ -238,6 +238,7 @@ def _save_redbeat(app: Any, name: str, sched: Any, kwargs: dict[str, Any], enabl
 
 
 def switch_redbeat(app: Any, name: str, enabled: bool) -> None:
+    """Enable or disable the RedBeat entry of a run-time schedule, if RedBeat keeps one."""
     entry = redbeat_entry(app, name) if uses_redbeat(app) else None
     if entry is not None and entry.enabled != enabled:
         entry.enabled = enabled
