@@ -269,11 +269,21 @@ def create(durable: Durable, workflow: Any, cron: Any, key: Any, input: Any, nam
     return get(durable, name)
 
 
+def _refuse_configured(durable: Durable, name: str, change: str) -> None:
+    """Configured schedules change in the configuration, also where RedBeat stored a copy."""
+    app = durable.app
+    config = config_entries(app)
+    configured = name in config or name in {e["conf_name"] for e in config.values()}
+    if not configured and uses_redbeat(app) and redbeat_entry(app, name) is None:
+        configured = name in redbeat_entries(app)  # stored by beat under its beat_schedule name
+    if configured:
+        raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule; {change} it there")
+
+
 def update(durable: Durable, name: str, cron: Any, workflow: Any, key: Any, input: Any) -> Schedule:
     """Change parts of a run-time schedule; the next fire uses them."""
+    _refuse_configured(durable, name, "change")
     current = get(durable, name)
-    if current.source == "config":
-        raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule; change it there")
     sched, kwargs = _definition(
         durable,
         current.workflow if workflow is UNSET else workflow,
@@ -303,9 +313,7 @@ def switch(durable: Durable, name: str, enabled: bool) -> Schedule:
 
 def remove(durable: Durable, name: str) -> bool:
     """Delete a run-time schedule and its state; False if there was none."""
-    config = config_entries(durable.app)
-    if name in config or name in {e["conf_name"] for e in config.values()}:
-        raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule; remove it there")
+    _refuse_configured(durable, name, "remove")
     entry = redbeat_entry(durable.app, name) if uses_redbeat(durable.app) else None
     if entry is not None:
         entry.delete()

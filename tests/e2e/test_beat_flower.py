@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from durable_celery import Durable, schedules
+from durable_celery import Durable, InvalidArgument, schedules
 from durable_celery.store.db import utcnow
 from tests.conftest import PG_HOST, REDIS_URL
 
@@ -162,6 +162,10 @@ def test_a_fire_every_second_never_runs_two_copies_of_a_keyed_run(stack: Durable
     entry = durable.get_schedule("slow-every-second")
     assert (entry.name, entry.key, entry.failures, entry.enabled) == ("slow:tick", "tick", 0, True)
     assert durable.get_schedule("slow:tick").source == "redbeat"  # beat stored the config entry
+    with pytest.raises(InvalidArgument, match="beat_schedule"):
+        durable.update_schedule("slow:tick", input={})  # also where this process lacks the config
+    with pytest.raises(InvalidArgument, match="beat_schedule"):
+        durable.delete_schedule("slow:tick")
 
 
 @pytest.mark.timeout(90)
