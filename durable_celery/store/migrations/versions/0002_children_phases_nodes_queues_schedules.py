@@ -100,9 +100,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.batch_alter_table("durable_steps", schema=None) as batch_op:
         batch_op.drop_index("ux_durable_steps_run_step_phase_attempt")
-        batch_op.create_index(
-            "ux_durable_steps_run_step_attempt", ["run_id", "step_index", "attempt"], unique=True
-        )
+        batch_op.create_index("ux_durable_steps_run_step_attempt", ["run_id", "step_index", "attempt"], unique=True)
         batch_op.drop_column("logs")
         batch_op.drop_column("phase")
     with op.batch_alter_table("durable_runs", schema=None) as batch_op:
