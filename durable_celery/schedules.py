@@ -92,11 +92,14 @@ def parse_schedule(app: Any, value: Any) -> tuple[Any, str]:
 
 
 def _policy(wf: Workflow) -> dict[str, Any]:
+    """What a fire needs to know of its workflow, also on a worker without its code."""
     on_duplicate = wf.on_duplicate
     return {
         "reuse": wf.reuse,
         "on_duplicate": on_duplicate if isinstance(on_duplicate, str) else {"event": on_duplicate.name},
         "timeout": wf.timeout,
+        # Fires go where the first step goes: its workers are the ones with the workflow's code.
+        "queue": wf.queue_for(wf.steps[0], None) if wf.steps else None,
     }
 
 
@@ -132,11 +135,14 @@ def beat_entry(
 
 
 def fire_options(sched: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Message options of a fire: what Flower shows as its arguments (not the input), and for an
-    interval an expiry when the next fire is due (at least 10 s), so workers back from an
-    outage don't work through a backlog of stale fires."""
+    """Message options of a fire: the queue of its workflow's first step, what Flower shows as
+    its arguments (not the input), and for an interval an expiry when the next fire is due (at
+    least 10 s), so workers back from an outage don't work through a backlog of stale fires."""
     shown = f"{{schedule: {kwargs['name']}, workflow: {kwargs['workflow']}, key: {kwargs['key']!r}}}"
     options: dict[str, Any] = {"argsrepr": "()", "kwargsrepr": shown}
+    queue = (kwargs.get("policy") or {}).get("queue")
+    if queue:
+        options["queue"] = queue
     if isinstance(sched, every):
         options["expires"] = max(sched.run_every.total_seconds(), 10.0)
     return options

@@ -175,6 +175,9 @@ def test_bad_input_raises_and_writes_nothing(durable):
     with pytest.raises(Unsupported, match="RedBeat"):
         durable.schedule(wf, 60, input={"n": 1})  # neither RedBeat nor DurableScheduler set up
     assert durable.beat_entry(wf, 60, input={"n": 3})["kwargs"]["key"] == "job:3"
+    queued = durable.workflow("queued", queue="slow")
+    queued.step(lambda: None, name="first")
+    assert durable.beat_entry(queued, 60)["options"]["queue"] == "slow"
     assert durable.list_schedules() == []
 
 

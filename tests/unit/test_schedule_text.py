@@ -52,3 +52,5 @@ def test_fires_show_schedule_workflow_and_key_and_intervals_expire():
     }
     assert "expires" not in fire_options(parse_schedule(app, "0 3 * * *")[0], kwargs)
     assert fire_options(parse_schedule(app, 1)[0], kwargs)["expires"] == 10.0
+    queued = fire_options(parse_schedule(app, 60)[0], {**kwargs, "policy": {"queue": "slow"}})
+    assert queued["queue"] == "slow"  # the queue of the workflow's first step
