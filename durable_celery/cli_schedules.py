@@ -9,6 +9,7 @@ from datetime import datetime
 import click
 
 from .cli import durable, durable_of
+from .schedules import problems
 from .store.db import utcnow
 
 
@@ -36,6 +37,8 @@ def schedules(ctx: click.Context, as_json: bool) -> None:
             f"{entry.schedule[:14]:14}  {entry.source:8}  {next_fire:20}  "
             f"{outcome[:14]:14}  {entry.failures}"
         )
+    for problem in problems(durable_of(ctx)):
+        click.echo(f"! {problem}")
 
 
 def _next_fire(enabled: bool, at: datetime | None) -> str:

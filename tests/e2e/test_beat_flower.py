@@ -197,6 +197,13 @@ def test_five_failed_fires_in_a_row_switch_a_schedule_off(stack: Durable) -> Non
     runs = durable.list_runs(workflow="failing", limit=1000)
     assert [r.status for r in runs] == ["failed"] * 5  # beat still sends fires: they start nothing
     assert any("failing:f" in line for line in schedules.problems(durable))
+    env = durable.processes.env  # type: ignore[attr-defined]
+    listed = subprocess.run(
+        celery("durable", "schedules"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    (line,) = [line for line in listed.stdout.splitlines() if line.startswith("failing:f")]
+    assert "disabled" in line and line.split()[-2:] == ["failed", "5"]
+    assert "! schedule 'failing:f' (failing) is disabled after 5 failure(s) in a row" in listed.stdout
 
 
 def check_run_time_schedule(durable: Durable, logs: Callable[[], str]) -> None:
