@@ -425,7 +425,7 @@ class Durable:
         input: Mapping[str, Any] | None = None,
         name: str | None = None,
     ) -> Schedule:
-        """Create (or redefine) a keyed schedule at run time, stored as a RedBeat entry."""
+        """Create (or redefine) a schedule at run time: a RedBeat entry, or a row DurableScheduler reads."""
         return schedules.create(self, workflow, cron, key, input, name)
 
     def list_schedules(self) -> list[Schedule]:
