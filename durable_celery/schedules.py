@@ -258,7 +258,8 @@ def create(durable: Durable, workflow: Any, cron: Any, key: Any, input: Any, nam
     """Create (or redefine) a schedule at run time: a RedBeat entry, or a row DurableScheduler reads."""
     sched, kwargs = _definition(durable, workflow, cron, key, input, name)
     name = kwargs["name"]
-    if name in config_entries(durable.app):
+    config = config_entries(durable.app)
+    if name in config or name in {e["conf_name"] for e in config.values()}:
         raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule")
     redbeat = uses_redbeat(durable.app)
     if not redbeat and not uses_durable_scheduler(durable.app):

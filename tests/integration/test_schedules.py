@@ -198,6 +198,11 @@ def test_run_time_schedules_are_redbeat_entries(redbeat_durable):
 
     durable = redbeat_durable
     wf = define(durable)
+    configure(durable, nightly=durable.beat_entry(wf, "0 3 * * *", key="n"))
+    for taken in ("nightly", "job:n"):  # a configured schedule's names
+        with pytest.raises(InvalidArgument, match="beat_schedule"):
+            durable.schedule(wf, 60, key="other", name=taken)
+    configure(durable)
     made = durable.schedule(wf, "*/5 * * * *", key="k", input={"n": 1}, name="five")
     assert (made.source, made.schedule, made.key, made.input, made.enabled) == (
         "redbeat",
