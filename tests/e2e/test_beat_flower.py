@@ -17,6 +17,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,19 @@ class Processes:
                 process.wait(timeout=10)
 
 
+@dataclass
+class Stack:
+    """The running processes, Flower's address, and a Durable on the same database and prefix."""
+
+    durable: Durable
+    processes: Processes
+    flower: str
+
+    def logs(self, *names: str) -> Callable[[], str]:
+        """The tail of these processes' logs, for a failure message."""
+        return lambda: "\n".join(f"--- {n}\n{self.processes.log(n)[-3000:]}" for n in names)
+
+
 def wait_until(check: Callable[[], Any], timeout: float, what: str, logs: Callable[[], str] = str) -> Any:
     """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
     deadline = time.monotonic() + timeout
@@ -97,7 +111,7 @@ def http_json(url: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def stack(pg_template: str, redis_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def stack(pg_template: str, redis_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """PostgreSQL + Redis, a worker (sending events), `beat -S redbeat.RedBeatScheduler` and Flower;
     and, in this process, a Durable on the same database and RedBeat prefix."""
     database = f"durable_beat_{uuid.uuid4().hex[:10]}"
@@ -122,19 +136,13 @@ def stack(pg_template: str, redis_client: Any, tmp_path_factory: pytest.TempPath
     durable = Durable(app, url, upkeep=False)
     for name in ("slow", "strict", "quick", "failing"):
         durable.workflow(name).step(lambda **_: None, name="work")
-    durable.flower = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    durable.processes = processes  # type: ignore[attr-defined]
     try:
-        yield durable
+        yield Stack(durable, processes, f"http://127.0.0.1:{port}")
     finally:
         processes.stop()
         durable.db.dispose()
         with psycopg.connect(f"{PG_HOST}/postgres", autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
-
-
-def all_logs(durable: Any) -> Callable[[], str]:
-    return lambda: "\n".join(f"--- {n}\n{durable.processes.log(n)[-3000:]}" for n in ("beat", "worker"))
 
 
 def duplicates(durable: Durable, workflow: str, outcome: str) -> list[Any]:
@@ -149,15 +157,15 @@ def assert_one_at_a_time(runs: list[Any]) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_a_fire_every_second_never_runs_two_copies_of_a_keyed_run(stack: Durable) -> None:
+def test_a_fire_every_second_never_runs_two_copies_of_a_keyed_run(stack: Stack) -> None:
     """A 2.5 s step fired every second: one run at a time per key, the other fires duplicates."""
-    durable = stack
+    durable = stack.durable
 
     def two_completed() -> bool:
         done = durable.list_runs(workflow="slow", key="tick", status="completed")
         return len(done) >= 2 and len(duplicates(durable, "slow", "use_existing")) >= 2
 
-    wait_until(two_completed, 45, "two completed `slow` runs and duplicates", all_logs(durable))
+    wait_until(two_completed, 45, "two completed `slow` runs and duplicates", stack.logs("beat", "worker"))
     assert_one_at_a_time(durable.list_runs(workflow="slow", key="tick", limit=1000))
     entry = durable.get_schedule("slow-every-second")
     assert (entry.name, entry.key, entry.failures, entry.enabled) == ("slow:tick", "tick", 0, True)
@@ -169,14 +177,14 @@ def test_a_fire_every_second_never_runs_two_copies_of_a_keyed_run(stack: Durable
 
 
 @pytest.mark.timeout(90)
-def test_fires_refused_by_on_duplicate_error_are_skipped_and_not_counted(stack: Durable) -> None:
-    durable = stack
+def test_fires_refused_by_on_duplicate_error_are_skipped_and_not_counted(stack: Stack) -> None:
+    durable = stack.durable
 
     def skipped_twice() -> bool:
         done = durable.list_runs(workflow="strict", status="completed")
         return len(done) >= 2 and len(duplicates(durable, "strict", "error")) >= 3
 
-    wait_until(skipped_twice, 45, "two completed `strict` runs and skipped fires", all_logs(durable))
+    wait_until(skipped_twice, 45, "two completed `strict` runs and skipped fires", stack.logs("beat"))
     assert_one_at_a_time(durable.list_runs(workflow="strict", limit=1000))
     entry = durable.get_schedule("strict:only")
     assert entry.failures == 0 and entry.enabled
@@ -184,20 +192,20 @@ def test_fires_refused_by_on_duplicate_error_are_skipped_and_not_counted(stack: 
 
 
 @pytest.mark.timeout(90)
-def test_five_failed_fires_in_a_row_switch_a_schedule_off(stack: Durable) -> None:
-    durable = stack
+def test_five_failed_fires_in_a_row_switch_a_schedule_off(stack: Stack) -> None:
+    durable = stack.durable
 
     def disabled() -> list[Any]:
         return durable.activity(kinds=["schedule_disabled"], workflow="failing")
 
-    (off,) = wait_until(disabled, 45, "the failing schedule switched off", all_logs(durable))
+    (off,) = wait_until(disabled, 45, "the failing schedule switched off", stack.logs("beat", "worker"))
     assert off.details["schedule"] == "failing:f" and off.details["failures"] == 5
     entry = durable.get_schedule("failing:f")
     assert (entry.enabled, entry.failures, entry.last_outcome) == (False, 5, "failed")
     runs = durable.list_runs(workflow="failing", limit=1000)
     assert [r.status for r in runs] == ["failed"] * 5  # beat still sends fires: they start nothing
     assert any("failing:f" in line for line in schedules.problems(durable))
-    env = durable.processes.env  # type: ignore[attr-defined]
+    env = stack.processes.env
     listed = subprocess.run(
         celery("durable", "schedules"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
@@ -236,15 +244,14 @@ def check_run_time_schedule(durable: Durable, logs: Callable[[], str]) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_run_time_schedules_are_seen_by_the_running_beat(stack: Durable) -> None:
-    check_run_time_schedule(stack, all_logs(stack))
+def test_run_time_schedules_are_seen_by_the_running_beat(stack: Stack) -> None:
+    check_run_time_schedule(stack.durable, stack.logs("beat", "worker"))
 
 
 @pytest.mark.timeout(90)
-def test_flower_shows_step_tasks_with_run_id_key_step_and_attempt(stack: Durable) -> None:
-    durable = stack
-    flower = durable.flower  # type: ignore[attr-defined]
-    logs = lambda: durable.processes.log("flower")[-3000:]  # type: ignore[attr-defined]  # noqa: E731
+def test_flower_shows_step_tasks_with_run_id_key_step_and_attempt(stack: Stack) -> None:
+    durable = stack.durable
+    flower, logs = stack.flower, stack.logs("flower")
     # The beat's fires are tasks too: once Flower lists one, it receives the worker's events.
     wait_until(lambda: http_json(f"{flower}/api/tasks?limit=1"), 30, "Flower seeing task events", logs)
     run_id = durable.start("quick", {"n": 7}, key="flower-key")
@@ -263,10 +270,10 @@ def test_flower_shows_step_tasks_with_run_id_key_step_and_attempt(stack: Durable
 
 
 @pytest.mark.timeout(60)
-def test_the_schedules_command_lists_key_next_fire_outcome_and_failures(stack: Durable) -> None:
-    durable = stack
+def test_the_schedules_command_lists_key_next_fire_outcome_and_failures(stack: Stack) -> None:
+    durable = stack.durable
     wait_until(lambda: durable.get_schedule("slow:tick").last_outcome, 20, "a fire")
-    env = durable.processes.env  # type: ignore[attr-defined]
+    env = stack.processes.env
     done = subprocess.run(
         celery("durable", "schedules"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
