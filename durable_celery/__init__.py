@@ -17,11 +17,13 @@ from .errors import (
     NotFinished,
     RunNotFound,
     RunStopped,
+    ScheduleNotFound,
     StepTimeout,
     UnknownWorkflow,
     Unsupported,
 )
 from .models import Run, StepRecord
+from .schedules import Schedule
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,7 @@ __all__ = [
     "Workflow",
     "Run",
     "StepRecord",
+    "Schedule",
     "DurableError",
     "ChildFailed",
     "InvalidArgument",
@@ -48,6 +51,7 @@ __all__ = [
     "NotFinished",
     "RunNotFound",
     "RunStopped",
+    "ScheduleNotFound",
     "StepTimeout",
     "UnknownWorkflow",
     "Unsupported",

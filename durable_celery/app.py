@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import control, observe, tracing, transport
+from . import control, observe, schedule_fires, schedules, tracing, transport
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -25,6 +25,7 @@ from .errors import (
 from .keys import start_run
 from .models import Run, StepRecord
 from .observe import Activity, KeyEntry, PendingInput, Stats
+from .schedules import UNSET, Schedule
 from .store import migrate as migrations
 from .store import queries
 from .store.db import Clock, Database
@@ -68,6 +69,8 @@ class Settings:
     tracer_provider: Any = None
     # Serve Prometheus metrics on this port from each worker while it runs.
     metrics_port: int | None = None
+    schedule_pickup_timeout: float = 900.0
+    schedule_max_failures: int = 5
 
     @classmethod
     def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:
@@ -98,10 +101,14 @@ class Settings:
             "backoff_max",
             "shutdown_grace_period",
             "missing_code_retry",
+            "schedule_pickup_timeout",
         ):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+        limit = settings.schedule_max_failures
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
         if settings.database_url is None:
             path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
             settings = replace(settings, database_url=f"sqlite:///{path}")
@@ -140,6 +147,7 @@ class Durable:
 
         upkeep.install(self)
         rollout.install(self)
+        schedule_fires.install(self)
         _live.add(self)
         for workflow in _shared:
             if workflow.name is not None:
@@ -160,6 +168,8 @@ class Durable:
         self.app.conf.broker_transport_options = {
             "data_folder_in": folder,
             "data_folder_out": folder,
+            # Broadcasts (remote control, Flower) keep their exchange tables here, not in ./control.
+            "control_folder": os.path.join(folder, "control"),
             "polling_interval": 0.1,
         }
 
@@ -268,7 +278,7 @@ class Durable:
             "id": str(uuid.uuid4()),
             "workflow": wf.name,
             "status": "pending",
-            "step_name": wf.steps[0].name,
+            "step_name": wf.steps[0].name if wf.steps else None,
             "input": data,
             "context": {},
             "key": key,
@@ -485,6 +495,60 @@ class Durable:
         from .doctor import summary
 
         return summary(self)
+
+    # -- keyed schedules (see schedules.py and docs/schedules.md) ----------------------------
+
+    def beat_entry(
+        self,
+        workflow: str | Workflow,
+        schedule: Any,
+        key: str | None = None,
+        input: Mapping[str, Any] | None = None,
+        name: str | None = None,
+    ) -> dict[str, Any]:
+        """An ``app.conf.beat_schedule`` entry whose fires start ``workflow`` with ``key``."""
+        return schedules.beat_entry(self, workflow, schedule, key, input, name)
+
+    def schedule(
+        self,
+        workflow: str | Workflow,
+        cron: Any,
+        key: str | None = None,
+        input: Mapping[str, Any] | None = None,
+        name: str | None = None,
+    ) -> Schedule:
+        """Create (or redefine) a schedule at run time: a RedBeat entry, or a row DurableScheduler reads."""
+        return schedules.create(self, workflow, cron, key, input, name)
+
+    def list_schedules(self) -> list[Schedule]:
+        """Every keyed schedule (configured and run-time), by name."""
+        return schedules.list_all(self)
+
+    def get_schedule(self, name: str) -> Schedule:
+        """One schedule by name; ScheduleNotFound if there is none."""
+        return schedules.get(self, name)
+
+    def update_schedule(
+        self, name: str, cron: Any = UNSET, *, workflow: Any = UNSET, key: Any = UNSET, input: Any = UNSET
+    ) -> Schedule:
+        """Change a run-time schedule's timing, workflow, key or input; the next fire uses them."""
+        return schedules.update(self, name, cron, workflow, key, input)
+
+    def enable_schedule(self, name: str) -> Schedule:
+        """Switch a schedule on again; its failure count starts from 0."""
+        return schedules.switch(self, name, True)
+
+    def disable_schedule(self, name: str) -> Schedule:
+        """Switch a schedule off: its fires start nothing until it is enabled."""
+        return schedules.switch(self, name, False)
+
+    def delete_schedule(self, name: str) -> bool:
+        """Delete a run-time schedule and its state; False if there was none."""
+        return schedules.remove(self, name)
+
+    def trigger_schedule(self, name: str) -> str:
+        """Fire a schedule now, with its key: the run id started or the key's holder's id."""
+        return schedules.trigger(self, name)
 
 
 def live_durables() -> list[Durable]:

@@ -174,3 +174,4 @@ from . import cli_observe  # noqa: E402
 durable.add_command(cli_observe.status)
 durable.add_command(cli_observe.doctor)
 durable.add_command(cli_observe.metrics)
+from . import cli_schedules  # noqa: E402, F401  (adds `durable schedules` to the group)

@@ -59,6 +59,14 @@ class RunNotFound(DurableError, LookupError):
         super().__init__(f"no run with id {run_id!r}")
 
 
+class ScheduleNotFound(DurableError, LookupError):
+    """No schedule has that name."""
+
+    def __init__(self, name: object) -> None:
+        self.name = name
+        super().__init__(f"no schedule named {name!r}")
+
+
 class Unsupported(DurableError):
     """The storage backend lacks a capability the call needs."""
 
@@ -100,6 +108,7 @@ __all__ = [
     "NotFinished",
     "NoKey",
     "RunNotFound",
+    "ScheduleNotFound",
     "Unsupported",
     "RunStopped",
     "StepTimeout",

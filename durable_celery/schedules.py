@@ -1,0 +1,450 @@
+"""Keyed cron schedules: their definitions, where they live, and the public verbs.
+
+A schedule's definition lives where beat reads it: ``app.conf.beat_schedule`` (made with
+``durable.beat_entry``) or a RedBeat entry in Redis (made with ``durable.schedule``), so every
+beat instance sees it. What every beat and worker shares about it, failures in a row, last
+outcome and whether it is switched off, lives in the ``durable_schedules`` table.
+
+A fire is the task ``durable.fire_schedule``; a worker runs it and starts the workflow by name
+with the schedule's key, so the workflow's ``on_duplicate`` decides what a fire gets while the
+last run still holds the key. A run's outcome is judged at the schedule's next fire: completed
+resets the failure count; failed, or not picked up by any worker within
+``schedule_pickup_timeout``, counts one; ``schedule_max_failures`` in a row switch it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from celery.schedules import ParseException, crontab
+from celery.schedules import schedule as every
+
+from .definition import Workflow, check_input
+from .errors import InvalidArgument, KeyTaken, ScheduleNotFound, Unsupported
+from .models import aware
+from .schedule_fires import FIRE_TASK, fire
+from .store import schedule_rows
+from .store.db import utcnow
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+log = logging.getLogger("durable_celery")
+
+UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One keyed schedule: its definition, where it lives, and its shared state."""
+
+    name: str
+    workflow: str
+    key: str | None
+    schedule: str
+    input: dict[str, Any]
+    source: str  # "config" (app.conf.beat_schedule), "redbeat" or "database" (state only)
+    enabled: bool = True
+    failures: int = 0
+    last_outcome: str | None = None
+    last_run_id: str | None = None
+    last_fire_at: datetime | None = None
+    next_fire_at: datetime | None = None
+
+
+# -- definitions ------------------------------------------------------------------------------
+
+
+def parse_schedule(app: Any, value: Any) -> tuple[Any, str]:
+    """A Celery schedule and its text from cron text, seconds, a timedelta or a Celery schedule."""
+    if isinstance(value, crontab):
+        text = " ".join(
+            str(getattr(value, f"_orig_{part}"))
+            for part in ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
+        )
+        return parse_schedule(app, text)
+    if isinstance(value, every):
+        value = value.run_every
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, str) and value.startswith("every ") and value.endswith("s"):
+        with contextlib.suppress(ValueError):
+            value = float(value[6:-1])
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (value > 0 and math.isfinite(value)):
+            raise InvalidArgument(f"a schedule interval must be positive seconds, not {value!r}")
+        return every(timedelta(seconds=value), app=app), f"every {float(value):g}s"
+    if not isinstance(value, str) or len(value.split()) != 5:
+        raise InvalidArgument(
+            f"a schedule is cron text of five fields ('*/5 * * * *'), seconds or a crontab, not {value!r}"
+        )
+    minute, hour, day_of_month, month_of_year, day_of_week = value.split()
+    try:
+        cron = crontab(minute, hour, day_of_week, day_of_month, month_of_year, app=app)
+    except (ValueError, TypeError, ParseException) as exc:
+        raise InvalidArgument(f"bad cron text {value!r}: {exc}") from exc
+    return cron, " ".join(value.split())
+
+
+def _policy(wf: Workflow) -> dict[str, Any]:
+    """What a fire needs to know of its workflow, also on a worker without its code."""
+    on_duplicate = wf.on_duplicate
+    return {
+        "reuse": wf.reuse,
+        "on_duplicate": on_duplicate if isinstance(on_duplicate, str) else {"event": on_duplicate.name},
+        "timeout": wf.timeout,
+        # Fires go where the first step goes: its workers are the ones with the workflow's code.
+        "queue": wf.queue_for(wf.steps[0], None) if wf.steps else None,
+    }
+
+
+def _definition(
+    durable: Durable, workflow: Any, cron: Any, key: Any, input: Any, name: Any
+) -> tuple[Any, dict[str, Any]]:
+    """Check a schedule's parts (nothing written) and return (Celery schedule, fire kwargs)."""
+    wf = durable._resolve(workflow)
+    data = check_input(input)
+    run_key = wf.derive_key(data, key)
+    sched, text = parse_schedule(durable.app, cron)
+    if name is None:
+        name = wf.name if run_key is None else f"{wf.name}:{run_key}"
+    if not isinstance(name, str) or not name.strip() or len(name) > 200:
+        raise InvalidArgument(f"a schedule name must be a non-empty str of at most 200 chars, not {name!r}")
+    kwargs = {
+        "name": name,
+        "workflow": wf.name,
+        "key": run_key,
+        "input": data,
+        "schedule": text,
+        "policy": _policy(wf),
+    }
+    return sched, kwargs
+
+
+def beat_entry(
+    durable: Durable, workflow: Any, cron: Any, key: Any = None, input: Any = None, name: Any = None
+) -> dict[str, Any]:
+    """An ``app.conf.beat_schedule`` entry whose fires start ``workflow`` with ``key``."""
+    sched, kwargs = _definition(durable, workflow, cron, key, input, name)
+    return {"task": FIRE_TASK, "schedule": sched, "kwargs": kwargs, "options": fire_options(sched, kwargs)}
+
+
+def fire_options(sched: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Message options of a fire: the queue of its workflow's first step, what Flower shows as
+    its arguments (not the input), and for an interval an expiry when the next fire is due (at
+    least 10 s), so workers back from an outage don't work through a backlog of stale fires."""
+    shown = f"{{schedule: {kwargs['name']}, workflow: {kwargs['workflow']}, key: {kwargs['key']!r}}}"
+    options: dict[str, Any] = {"argsrepr": "()", "kwargsrepr": shown}
+    queue = (kwargs.get("policy") or {}).get("queue")
+    if queue:
+        options["queue"] = queue
+    if isinstance(sched, every):
+        options["expires"] = max(sched.run_every.total_seconds(), 10.0)
+    return options
+
+
+def _row_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: kwargs[k] for k in ("name", "workflow", "key", "schedule", "input")}
+
+
+# -- where definitions live -----------------------------------------------------------------
+
+
+def uses_redbeat(app: Any) -> bool:
+    """Is this app configured for RedBeat (``redbeat_redis_url`` or a RedBeat ``beat_scheduler``)?"""
+    return bool(app.conf.get("redbeat_redis_url")) or "redbeat" in str(app.conf.get("beat_scheduler") or "")
+
+
+def uses_durable_scheduler(app: Any) -> bool:
+    """Is ``beat_scheduler`` the DurableScheduler (run-time schedules kept in the database)?"""
+    return "DurableScheduler" in str(app.conf.get("beat_scheduler") or "")
+
+
+def runtime_kwargs(durable: Durable, row: Any) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
+    """(Celery schedule, fire kwargs, message options) of a schedule kept in the database."""
+    try:
+        sched, text = parse_schedule(durable.app, row.schedule)
+    except InvalidArgument:
+        return None
+    wf = durable.workflows.get(row.workflow)
+    kwargs = {
+        "name": row.name,
+        "workflow": row.workflow,
+        "key": row.key,
+        "input": row.input or {},
+        "schedule": text,
+        "policy": _policy(wf) if wf is not None else None,
+    }
+    return sched, kwargs, fire_options(sched, kwargs)
+
+
+def config_entries(app: Any) -> dict[str, dict[str, Any]]:
+    """Durable entries of ``app.conf.beat_schedule`` by schedule name (their ``name`` kwarg)."""
+    found = {}
+    for conf_name, entry in (app.conf.beat_schedule or {}).items():
+        if isinstance(entry, dict) and entry.get("task") == FIRE_TASK:
+            kwargs = dict(entry.get("kwargs") or {})
+            found[kwargs.get("name") or conf_name] = {**entry, "kwargs": kwargs, "conf_name": conf_name}
+    return found
+
+
+def redbeat_entries(app: Any) -> dict[str, Any]:
+    """Durable RedBeat entries stored in Redis, by schedule name."""
+    if not uses_redbeat(app):
+        return {}
+    from redbeat.schedulers import RedBeatSchedulerEntry, ensure_conf, get_redis
+
+    conf = ensure_conf(app)
+    found = {}
+    for redis_key in get_redis(app).zrange(conf.schedule_key, 0, -1):
+        try:
+            entry = RedBeatSchedulerEntry.from_key(redis_key, app=app)
+        except KeyError:
+            continue
+        if entry.task == FIRE_TASK:
+            found[(entry.kwargs or {}).get("name") or entry.name] = entry
+    return found
+
+
+def redbeat_entry(app: Any, name: str) -> Any:
+    """The RedBeat entry stored under ``name``, or None."""
+    from redbeat.schedulers import RedBeatSchedulerEntry, ensure_conf
+
+    ensure_conf(app)
+    try:
+        return RedBeatSchedulerEntry.from_key(RedBeatSchedulerEntry.generate_key(app, name), app=app)
+    except KeyError:
+        return None
+
+
+def _save_redbeat(app: Any, name: str, sched: Any, kwargs: dict[str, Any], enabled: bool) -> None:
+    from redbeat.schedulers import RedBeatSchedulerEntry
+
+    entry = redbeat_entry(app, name)
+    if entry is None:
+        # A new entry counts from now: its first fire is its first slot, not at once.
+        entry = RedBeatSchedulerEntry(
+            name,
+            FIRE_TASK,
+            sched,
+            kwargs=kwargs,
+            options=fire_options(sched, kwargs),
+            enabled=enabled,
+            app=app,
+        )
+    else:
+        entry.schedule, entry.kwargs, entry.enabled = sched, kwargs, enabled
+        entry.options = fire_options(sched, kwargs)
+    entry.save()
+
+
+def switch_redbeat(app: Any, name: str, enabled: bool) -> None:
+    """Enable or disable the RedBeat entry of a run-time schedule, if RedBeat keeps one."""
+    entry = redbeat_entry(app, name) if uses_redbeat(app) else None
+    if entry is not None and entry.enabled != enabled:
+        entry.enabled = enabled
+        entry.save()
+
+
+# -- the public verbs ---------------------------------------------------------------------------
+
+
+def create(durable: Durable, workflow: Any, cron: Any, key: Any, input: Any, name: Any) -> Schedule:
+    """Create (or redefine) a schedule at run time: a RedBeat entry, or a row DurableScheduler reads."""
+    sched, kwargs = _definition(durable, workflow, cron, key, input, name)
+    name = kwargs["name"]
+    config = config_entries(durable.app)
+    if name in config or name in {e["conf_name"] for e in config.values()}:
+        raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule")
+    redbeat = uses_redbeat(durable.app)
+    if not redbeat and not uses_durable_scheduler(durable.app):
+        raise Unsupported(
+            "run-time schedules need RedBeat (set app.conf.redbeat_redis_url and run "
+            "`celery beat -S redbeat.RedBeatScheduler`) or, without Redis, "
+            'app.conf.beat_scheduler = "durable_celery.beat:DurableScheduler"'
+        )
+    with durable.db.begin() as conn:
+        schedule_rows.upsert_schedule_txn(durable.db, conn, _row_values(kwargs), replace=True)
+        row = schedule_rows.fetch_schedule(conn, name)
+        if redbeat:  # written last, inside the transaction: a Redis error writes nothing
+            _save_redbeat(durable.app, name, sched, kwargs, row.enabled)
+    return get(durable, name)
+
+
+def _refuse_configured(durable: Durable, name: str, change: str) -> None:
+    """Configured schedules change in the configuration, also where RedBeat stored a copy."""
+    app = durable.app
+    config = config_entries(app)
+    configured = name in config or name in {e["conf_name"] for e in config.values()}
+    if not configured and uses_redbeat(app) and redbeat_entry(app, name) is None:
+        configured = name in redbeat_entries(app)  # stored by beat under its beat_schedule name
+    if configured:
+        raise InvalidArgument(f"schedule {name!r} is defined in app.conf.beat_schedule; {change} it there")
+
+
+def update(durable: Durable, name: str, cron: Any, workflow: Any, key: Any, input: Any) -> Schedule:
+    """Change parts of a run-time schedule; the next fire uses them."""
+    _refuse_configured(durable, name, "change")
+    current = get(durable, name)
+    sched, kwargs = _definition(
+        durable,
+        current.workflow if workflow is UNSET else workflow,
+        current.schedule if cron is UNSET else cron,
+        current.key if key is UNSET else key,
+        current.input if input is UNSET else input,
+        name,
+    )
+    with durable.db.begin() as conn:
+        values = _row_values(kwargs)
+        del values["name"]
+        schedule_rows.update_definition_txn(durable.db, conn, name, values)
+        if uses_redbeat(durable.app):
+            _save_redbeat(durable.app, name, sched, kwargs, current.enabled)
+    return get(durable, name)
+
+
+def switch(durable: Durable, name: str, enabled: bool) -> Schedule:
+    """Enable (failure count back to 0) or disable a schedule."""
+    current = get(durable, name)
+    _ensure_row(durable, current)
+    with durable.db.begin() as conn:
+        schedule_rows.set_enabled_txn(durable.db, conn, name, enabled)
+    switch_redbeat(durable.app, name, enabled)
+    return get(durable, name)
+
+
+def remove(durable: Durable, name: str) -> bool:
+    """Delete a run-time schedule and its state; False if there was none."""
+    _refuse_configured(durable, name, "remove")
+    entry = redbeat_entry(durable.app, name) if uses_redbeat(durable.app) else None
+    if entry is not None:
+        entry.delete()
+    with durable.db.begin() as conn:
+        deleted = schedule_rows.delete_schedule_txn(conn, name)
+    return deleted or entry is not None
+
+
+def list_all(durable: Durable) -> list[Schedule]:
+    """Every schedule: config entries, RedBeat entries and rows, by name."""
+    app = durable.app
+    config, redbeat = config_entries(app), redbeat_entries(app)
+    with durable.db.engine.connect() as conn:
+        rows = {r.name: r for r in schedule_rows.fetch_schedules(conn)}
+    names = sorted(set(config) | set(redbeat) | set(rows))
+    return [_describe(app, n, config.get(n), redbeat.get(n), rows.get(n)) for n in names]
+
+
+def get(durable: Durable, name: str) -> Schedule:
+    """One schedule by name (or by its ``beat_schedule`` key); ScheduleNotFound if none."""
+    if not isinstance(name, str):
+        raise ScheduleNotFound(name)
+    app = durable.app
+    config = config_entries(app)
+    by_conf_name = {e["conf_name"]: n for n, e in config.items()}
+    name = name if name in config else by_conf_name.get(name, name)
+    entry = redbeat_entry(app, name) if uses_redbeat(app) else None
+    if entry is not None and entry.task != FIRE_TASK:
+        entry = None
+    if entry is not None:  # a beat_schedule entry RedBeat stored under its beat_schedule name
+        name = (entry.kwargs or {}).get("name") or name
+    elif uses_redbeat(app) and name not in config:
+        entry = redbeat_entries(app).get(name)
+    with durable.db.engine.connect() as conn:
+        row = schedule_rows.fetch_schedule(conn, name)
+    if config.get(name) is None and entry is None and row is None:
+        raise ScheduleNotFound(name)
+    return _describe(app, name, config.get(name), entry, row)
+
+
+def _describe(app: Any, name: str, config: Any, entry: Any, row: Any) -> Schedule:
+    if config is not None:
+        kwargs, source = config["kwargs"], "config"
+    elif entry is not None:
+        kwargs, source = dict(entry.kwargs or {}), "redbeat"
+    else:
+        kwargs, source = {c: getattr(row, c) for c in ("workflow", "key", "schedule", "input")}, "database"
+    state: dict[str, Any] = {}
+    if row is not None:
+        state = {
+            "enabled": row.enabled,
+            "failures": row.failures,
+            "last_outcome": row.last_outcome,
+            "last_run_id": row.last_run_id,
+            "last_fire_at": aware(row.last_fire_at),
+        }
+    enabled = state.get("enabled", True) and (entry is None or entry.enabled)
+    return Schedule(
+        name=name,
+        workflow=kwargs["workflow"],
+        key=kwargs.get("key"),
+        schedule=kwargs.get("schedule") or "",
+        input=kwargs.get("input") or {},
+        source=source,
+        **{**state, "enabled": enabled},
+        next_fire_at=_next_fire(app, kwargs, entry, row) if enabled else None,
+    )
+
+
+def _next_fire(app: Any, kwargs: dict[str, Any], entry: Any, row: Any) -> datetime | None:
+    if entry is not None:
+        due = entry.due_at
+        return aware(due) if due is not None else None
+    try:
+        sched, _ = parse_schedule(app, kwargs.get("schedule"))
+    except InvalidArgument:
+        return None
+    last = None if row is None else aware(row.last_fire_at or row.created_at)
+    now = utcnow()
+    if last is None:
+        return now
+    return max(now, now + sched.remaining_estimate(last))
+
+
+def _ensure_row(durable: Durable, schedule: Schedule) -> None:
+    values = {c: getattr(schedule, c) for c in ("name", "workflow", "key", "schedule", "input")}
+    with durable.db.begin() as conn:
+        schedule_rows.upsert_schedule_txn(durable.db, conn, values, replace=False)
+
+
+def trigger(durable: Durable, name: str) -> str:
+    """Fire a schedule now, with its key: the run id started, or the holder's id."""
+    current = get(durable, name)
+    if not current.enabled:
+        raise InvalidArgument(f"schedule {current.name!r} is disabled; enable it first")
+    wf = durable.workflows.get(current.workflow)
+    result = fire(
+        durable,
+        name=current.name,
+        workflow=current.workflow,
+        key=current.key,
+        input=current.input,
+        schedule=current.schedule,
+        policy=_policy(wf) if wf is not None else None,
+        manual=True,
+    )
+    if result["outcome"] == "skipped":
+        raise KeyTaken(result["run_id"])
+    if result["outcome"] == "error":
+        raise InvalidArgument(f"schedule {current.name!r} could not start: {result['error']}")
+    if result["outcome"] == "disabled":
+        raise InvalidArgument(f"schedule {current.name!r} is disabled; enable it first")
+    if result["run_id"] is None:  # this fire judged the last failure in a row
+        raise InvalidArgument(f"schedule {current.name!r} is now disabled: its last run {result['outcome']}")
+    return str(result["run_id"])
+
+
+def problems(durable: Durable) -> list[str]:
+    """What ``doctor`` reports about schedules: those switched off after repeated failures."""
+    with durable.db.engine.connect() as conn:
+        rows = schedule_rows.disabled_schedules(conn)
+    return [
+        f"schedule {r.name!r} ({r.workflow}) is disabled after {r.failures} failure(s) in a row "
+        f"(last: {r.last_outcome}); fix it, then `durable.enable_schedule({r.name!r})`"
+        for r in rows
+        if r.failures >= durable.settings.schedule_max_failures
+    ]
