@@ -12,7 +12,12 @@ import durable_celery.transport  # noqa: F401  (registers durablefs://)
 
 @pytest.mark.timeout(60)
 def test_messages_written_while_consumed_arrive_whole(tmp_path):
-    options = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path), "polling_interval": 0.001}
+    options = {
+        "data_folder_in": str(tmp_path),
+        "data_folder_out": str(tmp_path),
+        "control_folder": str(tmp_path / "control"),
+        "polling_interval": 0.001,
+    }
     per_producer, producers = 300, 3
 
     def produce(n: int) -> None:
