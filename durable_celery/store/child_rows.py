@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, and_, exists, select, update
+from sqlalchemy import Connection, select, update
 
 from .db import Database
 from .schema import UNFINISHED, runs
@@ -49,7 +49,18 @@ def wake_parent_txn(db: Database, conn: Connection, child_id: str) -> Any:
 
 def due_if_any_finished_txn(db: Database, conn: Connection, run_id: str, child_ids: Sequence[str]) -> None:
     """Right after parking a parent: make it due at once if one of ``child_ids`` has finished
-    meanwhile (its wake-up found the parent not yet waiting)."""
-    child = runs.alias("child")
-    finished = exists().where(and_(child.c.id.in_(list(child_ids)), child.c.finished_at.is_not(None)))
-    conn.execute(update(runs).where(runs.c.id == run_id, finished).values(due_at=db.now()))
+    meanwhile (its wake-up found the parent not yet waiting).
+
+    The children are read FOR SHARE: a child whose finishing transaction is still open is
+    waited for and then seen finished. Without the lock, that child's wake-up (which found the
+    parent still running) and this check (which found the child still running) could both miss.
+    """
+    query = (
+        select(runs.c.id)
+        .where(runs.c.id.in_(list(child_ids)), runs.c.finished_at.is_not(None))
+        .with_for_update(read=True)
+    )
+    locked = select(runs.c.id).where(runs.c.id.in_(list(child_ids))).with_for_update(read=True)
+    conn.execute(locked).all()  # wait for children being finished right now
+    if conn.execute(query).first() is not None:
+        conn.execute(update(runs).where(runs.c.id == run_id).values(due_at=db.now()))
