@@ -25,6 +25,8 @@ from .errors import (
 from .keys import start_run
 from .models import Run, StepRecord
 from .observe import Activity, KeyEntry, PendingInput, Stats
+from .prune import check_rules as check_prune_rules
+from .queues import queue_of
 from .store import migrate as migrations
 from .store import queries
 from .store.db import Clock, Database
@@ -53,6 +55,9 @@ class Settings:
     publish_retries: int = 2
     upkeep: bool = True
     home: str = EMBEDDED_HOME
+    # Retention (off by default): rule -> age, rules "completed", "cancelled", "failed" (prune.py).
+    prune: Mapping[str, Any] | None = None
+    prune_interval: float = 3600.0
 
     @classmethod
     def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:
@@ -81,10 +86,12 @@ class Settings:
             "sweep_interval",
             "backoff_base",
             "backoff_max",
+            "prune_interval",
         ):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+        settings = replace(settings, prune=check_prune_rules(settings.prune))
         if settings.database_url is None:
             path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
             settings = replace(settings, database_url=f"sqlite:///{path}")
@@ -246,6 +253,7 @@ class Durable:
             "created_at": Clock(),
             "due_at": Clock(),
             "published": True,
+            "queue": queue_of(self, wf, 0),
         }
         if wf.timeout and not (wf.debounce and key is not None):
             run["deadline_at"] = Clock(wf.timeout)
@@ -393,6 +401,46 @@ class Durable:
     def pending_migrations(self) -> list[str]:
         """Revisions the database still lacks (empty when up to date)."""
         return migrations.pending_revisions(self.db)
+
+    # -- running in production: retention, queues, nodes (prune.py, queues.py, nodes.py) ---
+
+    def prune(self, progress: Callable[[str], None] | None = None) -> dict[str, int]:
+        """Run the configured ``prune=`` rules now; returns runs deleted per rule."""
+        from . import prune
+
+        return prune.prune(self, progress)
+
+    def cleanup(
+        self,
+        older_than: Any,
+        statuses: Any = None,
+        *,
+        dry_run: bool = False,
+        progress: Callable[[str], None] | None = None,
+    ) -> dict[str, int]:
+        """Delete finished runs older than ``older_than`` (e.g. ``"30d"``); counts runs, steps, events."""
+        from . import prune
+
+        return prune.cleanup(self, older_than, statuses, dry_run=dry_run, progress=progress)
+
+    def pause_queue(self, name: str) -> None:
+        """Stop every worker from running steps of queue ``name`` until it is resumed."""
+        from . import queues
+
+        queues.pause_queue(self, name)
+
+    def resume_queue(self, name: str) -> int:
+        """Let workers run queue ``name`` again; returns how many ready runs were sent again."""
+        from . import queues
+
+        return queues.resume_queue(self, name)
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """Worker nodes seen in the last day: name, queues, pid, draining, started_at, seen_at."""
+        from .store import node_rows
+
+        with self.db.engine.connect() as conn:
+            return [dict(r._mapping) for r in node_rows.list_nodes(conn)]
 
 
 def live_durables() -> list[Durable]:

@@ -177,3 +177,14 @@ def _run_dict(run: Any) -> dict[str, Any]:
     from dataclasses import asdict
 
     return asdict(run)
+
+
+# Operations commands live in cli_ops.py; one line each registers them on the group.
+from . import cli_ops  # noqa: E402
+
+durable.add_command(cli_ops.prune)
+durable.add_command(cli_ops.cleanup)
+durable.add_command(cli_ops.queues_command)
+durable.add_command(cli_ops.pause)
+durable.add_command(cli_ops.resume)
+durable.add_command(cli_ops.nodes)

@@ -17,6 +17,7 @@ from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import RunStopped, StepTimeout
 from .keys import settle_waiting_txn
+from .queues import queue_of
 from .store import activity_rows, event_rows, key_rows, queries
 from .store.db import Clock, utcnow
 from .waits import Parked, Snoozed
@@ -274,6 +275,8 @@ class Engine:
             "finished_at": utcnow(),
         }
         run_values, status = self._next_state(step, row, ctx, outcome, last)
+        if status == "running":  # ops: the run's queue is its next step's (queue stats, pausing)
+            run_values["queue"] = queue_of(self.durable, workflow, step.index + 1)
         if outcome.error is None:
             step_row.update(status="completed", output=outcome.value)
         else:

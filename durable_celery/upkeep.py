@@ -1,7 +1,9 @@
-"""Periodic upkeep inside every worker: the outbox relay and waker, and the stale-lock sweep.
+"""Periodic upkeep inside every worker: the outbox relay and waker, the stale-lock sweep,
+pruning, queue samples, the node's heartbeat row and its consumers of paused queues.
 
-Any number of nodes can run it: the relay takes its rows with ``FOR UPDATE SKIP LOCKED``, and
-the sweeps end each run with an update that only matches while it is still stale or overdue.
+Any number of nodes can run it: the relay and the pruner take their rows with ``FOR UPDATE SKIP
+LOCKED``, the sweeps end each run with an update that only matches while it is still stale or
+overdue, and one node at a time writes a queue sample.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps
 from sqlalchemy import Connection
 
-from . import signals
+from . import prune, queues, signals
 from .keys import end_run_txn
+from .nodes import Node
 from .observe import ACTIVITY_KEPT
-from .store import activity_rows, queries
+from .store import activity_rows, queries, queue_rows
 from .store.db import utcnow
 from .store.schema import runs
 
@@ -28,6 +31,8 @@ log = logging.getLogger("durable_celery")
 
 RELAY_BATCH = 500
 TRIM_INTERVAL = 3600.0
+SAMPLE_INTERVAL = 60.0
+NODE_INTERVAL = 15.0
 
 
 def relay_once(durable: Durable) -> int:
@@ -44,6 +49,7 @@ def relay_once(durable: Durable) -> int:
                 durable.settings.relay_after,
                 RELAY_BATCH,
                 runs.c.workflow.in_(known),
+                ~queue_rows.paused_exists(),  # a paused queue's runs wait for its resume
             )
         for row in rows:
             workflow = durable.workflows[row.workflow]
@@ -128,8 +134,9 @@ def trim_activity_once(durable: Durable) -> int:
 class Upkeep:
     """A daemon thread running the periodic passes until stopped."""
 
-    def __init__(self, durable: Durable) -> None:
+    def __init__(self, durable: Durable, worker: Any = None) -> None:
         self.durable = durable
+        self.node = Node(durable, worker) if worker is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -149,10 +156,23 @@ class Upkeep:
     def _loop(self) -> None:
         s = self.durable.settings
         next_sweep = time.monotonic() + min(s.sweep_interval, s.stale_lock_timeout)
-        next_trim = time.monotonic()
+        next_trim = next_prune = next_sample = next_beat = time.monotonic()
+        if self.node is not None:
+            self._guarded(lambda _durable: self.node.register(), "register_node")  # type: ignore[union-attr]
         while not self._stop.wait(s.poll_interval):
+            self._guarded(self._reconcile_queues)
             self._guarded(relay_once)
             self._guarded(fail_overdue_once)
+            now = time.monotonic()
+            if self.node is not None and now >= next_beat:
+                next_beat = now + NODE_INTERVAL
+                self._guarded(lambda _durable: self.node.beat(), "node_heartbeat")  # type: ignore[union-attr]
+            if s.prune and now >= next_prune:
+                next_prune = now + s.prune_interval
+                self._guarded(prune.prune)
+            if now >= next_sample:
+                next_sample = now + SAMPLE_INTERVAL
+                self._guarded(lambda durable: queues.sample_once(durable, SAMPLE_INTERVAL), "sample_queues")
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + s.sweep_interval
                 self._guarded(sweep_stale_once)
@@ -160,11 +180,15 @@ class Upkeep:
                 next_trim = time.monotonic() + TRIM_INTERVAL
                 self._guarded(trim_activity_once)
 
-    def _guarded(self, job: Any) -> None:
+    def _reconcile_queues(self, durable: Durable) -> None:
+        if self.node is not None:
+            self.node.reconcile(queues.paused_queues(durable))
+
+    def _guarded(self, job: Any, name: str | None = None) -> None:
         try:
             job(self.durable)
         except Exception:  # the database may be restarting; the next pass tries again
-            log.exception("durable upkeep: %s failed", job.__name__)
+            log.exception("durable upkeep: %s failed", name or job.__name__)
 
 
 def install(durable: Durable) -> None:
@@ -178,6 +202,6 @@ def install(durable: Durable) -> None:
         requires = ("celery.worker.components:Pool",)
 
         def create(self, worker: Any) -> Upkeep:
-            return Upkeep(durable)
+            return Upkeep(durable, worker)
 
     durable.app.steps["worker"].add(DurableUpkeep)
