@@ -32,7 +32,6 @@ log = logging.getLogger("durable_celery")
 RELAY_BATCH = 500
 TRIM_INTERVAL = 3600.0
 SAMPLE_INTERVAL = 60.0
-NODE_INTERVAL = 15.0
 
 
 def relay_once(durable: Durable) -> int:
@@ -165,7 +164,7 @@ class Upkeep:
             self._guarded(fail_overdue_once)
             now = time.monotonic()
             if self.node is not None and now >= next_beat:
-                next_beat = now + NODE_INTERVAL
+                next_beat = now + max(s.heartbeat_interval, 1.0)
                 self._guarded(lambda _durable: self.node.beat(), "node_heartbeat")  # type: ignore[union-attr]
             if s.prune and now >= next_prune:
                 next_prune = now + s.prune_interval

@@ -58,7 +58,10 @@ def backdate(durable, run_ids, days, status=None):
     if not durable.db.is_postgres:
         from durable_celery.store.db import utcnow
 
-        values = {"finished_at": utcnow() - timedelta(days=days), "created_at": utcnow() - timedelta(days=days + 1)}
+        values = {
+            "finished_at": utcnow() - timedelta(days=days),
+            "created_at": utcnow() - timedelta(days=days + 1),
+        }
     if status is not None:
         values["status"] = status
     with durable.db.begin() as conn:
