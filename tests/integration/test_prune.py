@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select, update
 
-from durable_celery import Durable, InvalidDefinition, KeyTaken, current_run
+from durable_celery import InvalidDefinition, KeyTaken, current_run
 from durable_celery import prune as prune_module
 from durable_celery.errors import InvalidArgument
 from durable_celery.store.schema import activity, events, keys, runs, steps
