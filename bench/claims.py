@@ -98,35 +98,37 @@ def make(url: str) -> Durable:
 def main(finished: int, claims: int, rounds: int, server: str) -> None:
     """Claim latency with no history and with many finished runs (prints figures, not a test)."""
     timer = Timer()
-    with scratch_database(server, "bench_ops_claim_empty") as empty_url:
-        with scratch_database(server, "bench_ops_claim_full") as full_url:
-            sides: dict[str, Durable] = {
-                "0 finished": make(empty_url),
-                f"{finished:,} finished": make(full_url),
-            }
-            full = sides[f"{finished:,} finished"]
-            say(f"{timer} loading {finished:,} finished runs (one INSERT ... SELECT generate_series)")
-            load(full, "completed", finished)
-            for durable in sides.values():
-                with durable.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                    conn.execute(text("VACUUM ANALYZE"))
-            say(f"{timer} loaded and vacuumed")
-            per_round = max(1, claims // rounds)
-            times: dict[str, list[float]] = {name: [] for name in sides}
-            touched: dict[str, int] = dict.fromkeys(sides, 0)
-            for round_no in range(1, rounds + 1):
-                for name, durable in sides.items():
-                    ids = load(durable, "pending", per_round)
-                    took, n_pages = claim_all(durable, ids)
-                    times[name] += took
-                    touched[name] += n_pages
-                say(
-                    f"{timer} round {round_no}/{rounds}: "
-                    + ", ".join(f"{n} median {statistics.median(t):.3f} ms" for n, t in times.items())
-                )
-            report(times, touched)
-            for durable in sides.values():
-                durable.db.dispose()
+    with (
+        scratch_database(server, "bench_ops_claim_empty") as empty_url,
+        scratch_database(server, "bench_ops_claim_full") as full_url,
+    ):
+        sides: dict[str, Durable] = {
+            "0 finished": make(empty_url),
+            f"{finished:,} finished": make(full_url),
+        }
+        full = sides[f"{finished:,} finished"]
+        say(f"{timer} loading {finished:,} finished runs (one INSERT ... SELECT generate_series)")
+        load(full, "completed", finished)
+        for durable in sides.values():
+            with durable.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.execute(text("VACUUM ANALYZE"))
+        say(f"{timer} loaded and vacuumed")
+        per_round = max(1, claims // rounds)
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        touched: dict[str, int] = dict.fromkeys(sides, 0)
+        for round_no in range(1, rounds + 1):
+            for name, durable in sides.items():
+                ids = load(durable, "pending", per_round)
+                took, n_pages = claim_all(durable, ids)
+                times[name] += took
+                touched[name] += n_pages
+            say(
+                f"{timer} round {round_no}/{rounds}: "
+                + ", ".join(f"{n} median {statistics.median(t):.3f} ms" for n, t in times.items())
+            )
+        report(times, touched)
+        for durable in sides.values():
+            durable.db.dispose()
 
 
 def report(times: dict[str, list[float]], touched: dict[str, int]) -> None:

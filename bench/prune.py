@@ -31,10 +31,12 @@ LOAD_RUNS = """
 INSERT INTO durable_runs (id, workflow, status, input, context, output, queue, step_index,
                           created_at, started_at, finished_at, due_at, published, key)
 SELECT gen_random_uuid()::text, 'bench3', CAST(:status AS text), jsonb_build_object('account', g),
-       jsonb_build_object('rows', g), '"ok"'::jsonb, 'celery', CASE WHEN CAST(:status AS text) = 'completed' THEN 2 ELSE 0 END,
+       jsonb_build_object('rows', g), '"ok"'::jsonb, 'celery',
+       CASE WHEN CAST(:status AS text) = 'completed' THEN 2 ELSE 0 END,
        now() - make_interval(days => CAST(:days AS int), secs => 60),
        now() - make_interval(days => CAST(:days AS int), secs => 60),
-       CASE WHEN CAST(:status AS text) = 'completed' THEN now() - make_interval(days => CAST(:days AS int)) END,
+       CASE WHEN CAST(:status AS text) = 'completed'
+            THEN now() - make_interval(days => CAST(:days AS int)) END,
        CASE WHEN CAST(:status AS text) = 'pending' THEN now() END,
        CAST(:status AS text) = 'pending',
        CASE WHEN g <= CAST(:keyed AS int) THEN 'key:' || g END
@@ -142,15 +144,15 @@ def main(runs: int, steps_per_run: int, keyed: int, kept_keys: int, server: str)
         durable.db.dispose()
     say("")
     say(
-        f"pruned {runs:,} runs and {runs * steps_per_run:,} step rows in {took:.2f} s ({runs / took:,.0f} runs/s)"
+        f"pruned {runs:,} runs and {runs * steps_per_run:,} step rows in {took:.2f} s "
+        f"({runs / took:,.0f} runs/s)"
     )
     say(f"left: {left_runs:,} runs ({pending:,} pending), {left_steps:,} steps, {left_keys} keys")
     say(f"{'table':18}  {'total before':>12}  {'after vacuum':>12}  {'indexes before':>14}  {'after':>10}")
     for name in sorted(before):
         (tb, ib), (ta, ia) = before[name], after.get(name, (0, 0))
-        say(
-            f"{name:18}  {tb / 2**20:>10.1f}MB  {ta / 2**20:>10.1f}MB  {ib / 2**20:>12.1f}MB  {ia / 2**20:>8.1f}MB"
-        )
+        mb = [f"{v / 2**20:.1f}MB" for v in (tb, ta, ib, ia)]
+        say(f"{name:18}  {mb[0]:>12}  {mb[1]:>12}  {mb[2]:>14}  {mb[3]:>10}")
     say(f"target <= {TARGET_SECONDS} s: {'met' if took <= TARGET_SECONDS else 'NOT met'}")
 
 

@@ -162,16 +162,19 @@ def report(
             for f in ("n_tup_ins", "n_tup_upd", "n_tup_hot_upd", "n_tup_del", "n_dead_tup", "total")
         }
         totals.update(figures)
-        say(
-            f"{table:18}  {figures['n_tup_ins']:>6.2f}  {figures['n_tup_upd']:>6.2f}  {figures['n_tup_hot_upd']:>6.2f}  "
-            f"{figures['n_tup_del']:>6.2f}  {figures['n_dead_tup']:>6.2f}  {figures['total']:>8.0f}"
-        )
+        cells = [
+            f"{figures[f]:>6.2f}"
+            for f in ("n_tup_ins", "n_tup_upd", "n_tup_hot_upd", "n_tup_del", "n_dead_tup")
+        ]
+        say(f"{table:18}  {'  '.join(cells)}  {figures['total']:>8.0f}")
     n_statements = sum(statements.values()) / runs
     rows_written = totals["n_tup_ins"] + totals["n_tup_upd"] + totals["n_tup_del"]
     live = sum(after_live.values()) - sum(before_live.values())
+    run_bytes = (after_live["durable_runs"] - before_live["durable_runs"]) / runs
+    step_bytes = (after_live["durable_steps"] - before_live["durable_steps"]) / runs
     say(
-        f"live row bytes per run (pg_column_size): runs {(after_live['durable_runs'] - before_live['durable_runs']) / runs:.0f}, "
-        f"steps {(after_live['durable_steps'] - before_live['durable_steps']) / runs:.0f}, total {live / runs:.0f}"
+        f"live row bytes per run (pg_column_size): runs {run_bytes:.0f}, steps {step_bytes:.0f}, "
+        f"total {live / runs:.0f}"
     )
     say("")
     say(f"{'metric':34}  {'measured':>9}  {'reference':>9}  verdict")

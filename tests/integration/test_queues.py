@@ -255,3 +255,47 @@ def test_samples_from_many_nodes_at_once_write_one_set(make_durable):
     for t in threads:
         t.join()
     assert sorted(results) == [False, False, False, True]
+
+
+def test_cli_queues_pause_resume_and_nodes(durable, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    queue = f"cli-{uuid.uuid4().hex[:6]}"
+    wf = durable.workflow("cli_routed", queue=queue)
+    wf.step(lambda: None, name="nothing")
+    run_id = durable.start(wf)
+    (tmp_path / "queueapp.py").write_text(
+        textwrap.dedent(f"""
+        from celery import Celery
+        from durable_celery import Durable
+        app = Celery("queueapp", broker="memory://")
+        app.conf.task_default_queue = {durable.app.conf.task_default_queue!r}
+        durable = Durable(app, {durable.db.url!r}, upkeep=False)
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+    def celery(*args, code=0):
+        out = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "queueapp", "durable", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert out.returncode == code, out.stderr
+        return out.stdout + out.stderr
+
+    assert f"queue {queue}: paused" in celery("pause", queue)
+    listing = celery("queues")
+    (line,) = [line for line in listing.splitlines() if line.startswith(queue)]
+    assert line.split()[1:5] == ["1", "0", "0", "yes"]
+    assert "non-empty" in celery("pause", " ", code=1)
+    assert f"queue {queue}: resumed, 1 ready run(s) sent again" in celery("resume", queue)
+    (line,) = [line for line in celery("queues").splitlines() if line.startswith(queue)]
+    assert line.split()[4] == "-"
+    assert "node" in celery("nodes")
+    assert durable.get_run(run_id).status == "pending"
