@@ -96,7 +96,7 @@ def _delete_batches(
     db, total = durable.db, 0
     while True:
         with db.begin() as conn:
-            n = prune_rows.delete_finished_batch_txn(db, conn, statuses, age.total_seconds(), BATCH)
+            n, picked = prune_rows.delete_finished_batch_txn(db, conn, statuses, age.total_seconds(), BATCH)
             if n:
                 details = {
                     "rule": label,
@@ -108,7 +108,7 @@ def _delete_batches(
         total += n
         if progress is not None and n:
             progress(f"{label}: deleted {total} run(s) so far")
-        if n < BATCH:
+        if picked < BATCH or n == 0:  # the rest is younger, or busy until a later pass
             return total
 
 

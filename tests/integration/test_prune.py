@@ -314,3 +314,21 @@ def test_cli_cleanup_dry_run_writes_nothing_then_deletes(durable, tmp_path):
     pruned = celery("prune")
     assert "pruned: 1 cancelled" in pruned
     assert existing(durable, ids) == set()
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_prune_never_waits_for_a_key_row_a_start_holds(make_durable):
+    # A start locks the key row before the holder's row; the pruner must not wait for the key
+    # row while holding the run's row (that would deadlock), so it leaves that run for later.
+    durable = make_durable(prune={"completed": WEEK})
+    wf = define(durable, reuse="never")
+    (holder,) = finish(durable, wf, [{"n": 1}], key="k1")
+    others = finish(durable, wf, [{"n": 2}, {"n": 3}])
+    backdate(durable, [holder, *others], 8)
+    with durable.db.engine.connect() as start:
+        with start.begin():
+            start.execute(select(keys.c.holder_id).where(keys.c.key == "k1").with_for_update())
+            assert durable.prune() == {"completed": 2}
+        assert existing(durable, [holder, *others]) == {holder}
+    assert durable.prune() == {"completed": 1}
+    assert count(durable, keys) == 0
