@@ -5,6 +5,10 @@ current queue is paused (exact, whichever worker the message reached), the relay
 such runs, and every worker's upkeep stops consuming the queue within a poll interval (see
 nodes.py). Resuming clears the row, flags the queue's ready runs for the relay, and the workers
 consume the queue again.
+
+No ``cancel_consumer``/``add_consumer`` broadcast: ``add_consumer`` would make every worker
+consume the queue, also those started without it; a worker down during the broadcast would miss
+it; and the embedded broker has no fanout. The table is the truth every worker follows.
 """
 
 from __future__ import annotations

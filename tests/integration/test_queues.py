@@ -89,8 +89,11 @@ def test_pause_and_resume_apply_on_two_workers(make_durable):
         for run_id in early + late:
             assert wait_for(first, run_id).status == "completed"
         until(
-            lambda: sorted(node_queues(first).get(f"a-{queue}@test", [])) == sorted([queue, default]),
-            what="node a consumes the queue again",
+            lambda: all(
+                sorted(node_queues(first).get(f"{n}-{queue}@test", [])) == sorted([queue, default])
+                for n in "ab"
+            ),
+            what="both nodes consume the queue again",
         )
     assert sorted(r for _, r in ran) == sorted(early + late)
     assert first.stats.queues()[queue]["paused"] is False
