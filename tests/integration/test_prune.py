@@ -332,3 +332,25 @@ def test_prune_never_waits_for_a_key_row_a_start_holds(make_durable):
         assert existing(durable, [holder, *others]) == {holder}
     assert durable.prune() == {"completed": 1}
     assert count(durable, keys) == 0
+
+
+@pytest.mark.parametrize("interval", [0, -1, "hourly", True])
+def test_bad_prune_interval_is_refused(make_durable, interval):
+    with pytest.raises(InvalidDefinition):
+        make_durable(prune={"completed": WEEK}, prune_interval=interval)
+
+
+def test_prune_is_off_by_default_and_rules_come_from_app_conf(make_durable):
+    durable = make_durable()
+    assert durable.settings.prune is None and durable.prune() == {}
+    from celery import Celery
+
+    app = Celery("conf_rules", broker="memory://")
+    app.conf.durable_prune = {"failed": "30d"}
+    from durable_celery import Durable
+
+    configured = Durable(app, durable.db.url, upkeep=False)
+    try:
+        assert configured.settings.prune == {"failed": timedelta(days=30)}
+    finally:
+        configured.db.dispose()
