@@ -120,13 +120,17 @@ def sample_once(durable: Durable, every: float) -> bool:
     Safe on several nodes at once: one transaction at a time may write (an advisory lock on
     PostgreSQL, the write lock on SQLite), and it skips when a recent sample exists.
     """
+    since = utcnow() - timedelta(seconds=every * 0.9)
+    with durable.db.engine.connect() as conn:
+        if queue_rows.sample_written_since(conn, since):  # the usual case on all but one node
+            return False
     stats = queue_stats(durable)
     rows = [
         {k: v for k, v in entry.items() if k != "paused"} | {"queue": name} for name, entry in stats.items()
     ]
     db = durable.db
     with db.begin() as conn:
-        if not queue_rows.take_sample_turn_txn(conn, utcnow() - timedelta(seconds=every * 0.9)):
+        if not queue_rows.take_sample_turn_txn(conn, since):
             return False
         queue_rows.insert_samples_txn(db, conn, rows)
         queue_rows.trim_samples_txn(conn, utcnow() - SAMPLES_KEPT)

@@ -124,6 +124,11 @@ def _end(durable: Durable, run: Any, status: str, end: Any) -> bool:
     return done
 
 
+def sample_queues_once(durable: Durable) -> bool:
+    """Write this minute's per-queue sample unless another node did; True if this one wrote."""
+    return queues.sample_once(durable, SAMPLE_INTERVAL)
+
+
 def trim_activity_once(durable: Durable) -> int:
     """Delete activity entries older than a week; returns how many."""
     with durable.db.begin() as conn:
@@ -156,8 +161,7 @@ class Upkeep:
         s = self.durable.settings
         next_sweep = time.monotonic() + min(s.sweep_interval, s.stale_lock_timeout)
         next_trim = next_prune = next_sample = next_beat = time.monotonic()
-        if self.node is not None:
-            self._guarded(lambda _durable: self.node.register(), "register_node")  # type: ignore[union-attr]
+        self._guarded(self._register_node)
         while not self._stop.wait(s.poll_interval):
             self._guarded(self._reconcile_queues)
             self._guarded(relay_once)
@@ -165,13 +169,13 @@ class Upkeep:
             now = time.monotonic()
             if self.node is not None and now >= next_beat:
                 next_beat = now + max(s.heartbeat_interval, 1.0)
-                self._guarded(lambda _durable: self.node.beat(), "node_heartbeat")  # type: ignore[union-attr]
+                self._guarded(self._beat_node)
             if s.prune and now >= next_prune:
                 next_prune = now + s.prune_interval
                 self._guarded(prune.prune)
             if now >= next_sample:
                 next_sample = now + SAMPLE_INTERVAL
-                self._guarded(lambda durable: queues.sample_once(durable, SAMPLE_INTERVAL), "sample_queues")
+                self._guarded(sample_queues_once)
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + s.sweep_interval
                 self._guarded(sweep_stale_once)
@@ -179,15 +183,23 @@ class Upkeep:
                 next_trim = time.monotonic() + TRIM_INTERVAL
                 self._guarded(trim_activity_once)
 
+    def _register_node(self, durable: Durable) -> None:
+        if self.node is not None:
+            self.node.register()
+
+    def _beat_node(self, durable: Durable) -> None:
+        if self.node is not None:
+            self.node.beat()
+
     def _reconcile_queues(self, durable: Durable) -> None:
         if self.node is not None:
             self.node.reconcile(queues.paused_queues(durable))
 
-    def _guarded(self, job: Any, name: str | None = None) -> None:
+    def _guarded(self, job: Any) -> None:
         try:
             job(self.durable)
         except Exception:  # the database may be restarting; the next pass tries again
-            log.exception("durable upkeep: %s failed", name or job.__name__)
+            log.exception("durable upkeep: %s failed", job.__name__)
 
 
 def install(durable: Durable) -> None:

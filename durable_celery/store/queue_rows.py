@@ -85,8 +85,12 @@ def take_sample_turn_txn(conn: Connection, since: datetime) -> bool:
         locked = conn.execute(select(func.pg_try_advisory_xact_lock(literal(_SAMPLE_LOCK)))).scalar()
         if not locked:
             return False
-    recent = conn.execute(select(literal(1)).where(queue_samples.c.at >= since).limit(1)).first()
-    return recent is None
+    return not sample_written_since(conn, since)
+
+
+def sample_written_since(conn: Connection, since: datetime) -> bool:
+    """Whether any node wrote a sample since ``since``."""
+    return conn.execute(select(literal(1)).where(queue_samples.c.at >= since).limit(1)).first() is not None
 
 
 def insert_samples_txn(db: Database, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
