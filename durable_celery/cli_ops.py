@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .prune import RULES
+from .prune import RULES, format_duration
 from .store.schema import FINISHED
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def prune(ctx: click.Context) -> None:
         click.echo("pruning is off: set Durable(app, prune={'completed': timedelta(days=7), ...})")
         return
     for name, age in d.settings.prune.items():
-        click.echo(f"rule {name} ({', '.join(RULES[name])}): finished over {age} ago")
+        click.echo(f"rule {name} ({', '.join(RULES[name])}): finished over {format_duration(age)} ago")
     counts = _or_fail(d.prune, click.echo)
     click.echo("pruned: " + ", ".join(f"{n} {name}" for name, n in counts.items()))
 

@@ -55,6 +55,18 @@ def parse_duration(value: Any, what: str = "duration") -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def format_duration(age: timedelta) -> str:
+    """A duration as short text, the way :func:`parse_duration` reads it (``1d12h``)."""
+    left, parts = age.total_seconds(), []
+    for unit in "dhm":
+        n, left = divmod(left, _UNITS[unit])
+        if n:
+            parts.append(f"{int(n)}{unit}")
+    if left or not parts:
+        parts.append(f"{left:g}s")
+    return "".join(parts)
+
+
 def check_rules(rules: Any) -> dict[str, timedelta] | None:
     """The ``prune=`` setting checked and normalized: rule name -> age (None when off)."""
     if rules is None or rules == {}:
@@ -144,7 +156,7 @@ def cleanup(
         verb = "would delete" if dry_run else "deleting"
         progress(
             f"{verb} {found['runs']} run(s) with {found['steps']} step row(s) and {found['events']} "
-            f"event(s): {', '.join(chosen)}, finished over {age} ago"
+            f"event(s): {', '.join(chosen)}, finished over {format_duration(age)} ago"
         )
     if dry_run:
         return found

@@ -235,6 +235,15 @@ def test_durations():
     assert parse("2w") == timedelta(weeks=2)
     assert parse("90m") == parse(5400) == parse(timedelta(minutes=90))
     assert parse("1.5h") == timedelta(minutes=90)
+    show = prune_module.format_duration
+    assert [show(parse(t)) for t in ("30d", "1d12h", "90m", "45s", "2w", "0.5s")] == [
+        "30d",
+        "1d12h",
+        "1h30m",
+        "45s",
+        "14d",
+        "0.5s",
+    ]
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
