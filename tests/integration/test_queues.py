@@ -221,6 +221,8 @@ def test_nodes_heartbeat_drain_and_old_ones_are_forgotten(make_durable):
             assert node_rows.mark_draining(conn, name) is True
             assert node_rows.mark_draining(conn, "nobody@nowhere") is False
         assert durable.list_nodes()[0]["draining"] is True
+        # The worker's upkeep also wrote a queue sample at its start.
+        until(lambda: queues_module.list_samples(durable) != [], what="a queue sample")
 
 
 def test_queue_samples_one_writer_at_a_time_and_trimmed(make_durable):
