@@ -3,7 +3,9 @@
     python -m bench.claims [--finished 500000] [--claims 3000] [--rounds 6]
 
 Two scratch databases are made (``bench_ops_claim_*``): one empty, one bulk-loaded with finished
-runs (one ``INSERT ... SELECT generate_series``, then ``VACUUM ANALYZE`` as autovacuum would).
+runs (one ``INSERT ... SELECT generate_series``, then ``VACUUM ANALYZE`` as autovacuum would;
+autovacuum is then turned off on the runs table of both, so that a pass of it in the middle of
+a round does not slow one side only).
 In each, pending runs are inserted the same way and claimed one by one with the claim the worker
 uses (``queries.claim_run`` on an autocommit connection); only the statement is timed. Rounds
 alternate between the two databases, so load from elsewhere on the machine falls on both alike.
@@ -112,6 +114,9 @@ def main(finished: int, claims: int, rounds: int, server: str) -> None:
         for durable in sides.values():
             with durable.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 conn.execute(text("VACUUM ANALYZE"))
+                # No autovacuum pass in the middle of a round: its reads would count as the
+                # claims' pages and its work would slow one side only.
+                conn.execute(text("ALTER TABLE durable_runs SET (autovacuum_enabled = false)"))
         say(f"{timer} loaded and vacuumed")
         per_round = max(1, claims // rounds)
         times: dict[str, list[float]] = {name: [] for name in sides}
