@@ -25,6 +25,8 @@ from .errors import (
 from .keys import start_run
 from .models import Run, StepRecord
 from .observe import Activity, KeyEntry, PendingInput, Stats
+from .prune import check_rules as check_prune_rules
+from .queues import queue_of
 from .schedules import UNSET, Schedule
 from .store import migrate as migrations
 from .store import queries
@@ -71,6 +73,9 @@ class Settings:
     metrics_port: int | None = None
     schedule_pickup_timeout: float = 900.0
     schedule_max_failures: int = 5
+    # Retention (off by default): rule -> age, rules "completed", "cancelled", "failed" (prune.py).
+    prune: Mapping[str, Any] | None = None
+    prune_interval: float = 3600.0
 
     @classmethod
     def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:
@@ -102,6 +107,7 @@ class Settings:
             "shutdown_grace_period",
             "missing_code_retry",
             "schedule_pickup_timeout",
+            "prune_interval",
         ):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -109,6 +115,7 @@ class Settings:
         limit = settings.schedule_max_failures
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
+        settings = replace(settings, prune=check_prune_rules(settings.prune))
         if settings.database_url is None:
             path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
             settings = replace(settings, database_url=f"sqlite:///{path}")
@@ -285,6 +292,7 @@ class Durable:
             "created_at": Clock(),
             "due_at": Clock(),
             "published": True,
+            "queue": queue_of(self, wf, 0),
         }
         if wf.timeout and not (wf.debounce and key is not None):
             run["deadline_at"] = Clock(wf.timeout)
@@ -549,6 +557,46 @@ class Durable:
     def trigger_schedule(self, name: str) -> str:
         """Fire a schedule now, with its key: the run id started or the key's holder's id."""
         return schedules.trigger(self, name)
+
+    # -- running in production: retention, queues, nodes (prune.py, queues.py, nodes.py) ---
+
+    def prune(self, progress: Callable[[str], None] | None = None) -> dict[str, int]:
+        """Run the configured ``prune=`` rules now; returns runs deleted per rule."""
+        from . import prune
+
+        return prune.prune(self, progress)
+
+    def cleanup(
+        self,
+        older_than: Any,
+        statuses: Any = None,
+        *,
+        dry_run: bool = False,
+        progress: Callable[[str], None] | None = None,
+    ) -> dict[str, int]:
+        """Delete finished runs older than ``older_than`` (e.g. ``"30d"``); counts runs, steps, events."""
+        from . import prune
+
+        return prune.cleanup(self, older_than, statuses, dry_run=dry_run, progress=progress)
+
+    def pause_queue(self, name: str) -> None:
+        """Stop every worker from running steps of queue ``name`` until it is resumed."""
+        from . import queues
+
+        queues.pause_queue(self, name)
+
+    def resume_queue(self, name: str) -> int:
+        """Let workers run queue ``name`` again; returns how many ready runs were sent again."""
+        from . import queues
+
+        return queues.resume_queue(self, name)
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """Worker nodes seen in the last day: name, queues, pid, draining, started_at, seen_at."""
+        from .store import node_rows
+
+        with self.db.engine.connect() as conn:
+            return [dict(r._mapping) for r in node_rows.list_nodes(conn)]
 
 
 def live_durables() -> list[Durable]:

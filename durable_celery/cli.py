@@ -168,10 +168,18 @@ def _run_dict(run: Any) -> dict[str, Any]:
     return asdict(run)
 
 
-# -- watching: status, doctor and metrics live in cli_observe.py --------------------------------
-from . import cli_observe  # noqa: E402
+# Commands of their own modules, registered on the group here (cli_schedules adds itself).
+from . import cli_observe, cli_ops, cli_schedules  # noqa: E402, F401
 
-durable.add_command(cli_observe.status)
-durable.add_command(cli_observe.doctor)
-durable.add_command(cli_observe.metrics)
-from . import cli_schedules  # noqa: E402, F401  (adds `durable schedules` to the group)
+for command in (
+    cli_observe.status,
+    cli_observe.doctor,
+    cli_observe.metrics,
+    cli_ops.prune,
+    cli_ops.cleanup,
+    cli_ops.queues_command,
+    cli_ops.pause,
+    cli_ops.resume,
+    cli_ops.nodes,
+):
+    durable.add_command(command)

@@ -18,6 +18,7 @@ from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import DurableError, RunStopped, StepTimeout
 from .keys import settle_waiting_txn, wake_parent_txn
+from .queues import queue_of
 from .rollout import definition_changed
 from .store import activity_rows, child_rows, event_rows, key_rows, queries
 from .store.db import Clock, utcnow
@@ -324,6 +325,8 @@ class Engine:
             "logs": outcome.logs,  # log capture (logs.py)
         }
         run_values, status = self._next_state(workflow, step, row, ctx, outcome, last)
+        if "step_index" in run_values:  # the run's queue is its next step's (queue stats, pausing)
+            run_values["queue"] = queue_of(self.durable, workflow, run_values["step_index"])
         if outcome.error is None:
             step_row.update(status="completed", output=outcome.value)
         else:
@@ -467,6 +470,7 @@ class Engine:
                 run_values: dict[str, Any] = {"status": "compensated", "finished_at": Clock(), "due_at": None}
             else:
                 run_values = {"step_index": before.index, "step_name": before.name, "attempt": 1, "losses": 0}
+                run_values["queue"] = queue_of(self.durable, workflow, before.index)
                 run_values.update(due_at=Clock(), published=True)
         else:
             step_row.update(status="failed", error=error_record(outcome.error))

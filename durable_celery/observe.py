@@ -157,3 +157,9 @@ class Stats:
             "readds_over_time": [{"hour": h, "count": n} for h, n in sorted(per_hour.items())],
             "top_keys": [{"workflow": r.workflow, "key": r.key, "readds": r.n} for r in top],
         }
+
+    def queues(self) -> dict[str, dict[str, Any]]:
+        """Per queue: ``ready``, ``running``, ``waiting`` runs, ``oldest_ready_at``, ``paused``."""
+        from .queues import queue_stats
+
+        return queue_stats(self.durable)

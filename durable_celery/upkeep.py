@@ -1,7 +1,9 @@
-"""Periodic upkeep inside every worker: the outbox relay and waker, and the stale-lock sweep.
+"""Periodic upkeep inside every worker: the outbox relay and waker, the stale-lock sweep,
+pruning, queue samples, the node's heartbeat row and its consumers of paused queues.
 
-Any number of nodes can run it: the relay takes its rows with ``FOR UPDATE SKIP LOCKED``, and
-the sweeps end each run with an update that only matches while it is still stale or overdue.
+Any number of nodes can run it: the relay and the pruner take their rows with ``FOR UPDATE SKIP
+LOCKED``, the sweeps end each run with an update that only matches while it is still stale or
+overdue, and one node at a time writes a queue sample.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps
 from sqlalchemy import Connection
 
-from . import signals
+from . import prune, queues, signals
 from .keys import end_run_txn
+from .nodes import Node
 from .observe import ACTIVITY_KEPT
 from .rollout import fail_changed
-from .store import activity_rows, queries
+from .store import activity_rows, node_rows, queries, queue_rows
 from .store.db import utcnow
 from .store.schema import runs
 
@@ -29,6 +32,7 @@ log = logging.getLogger("durable_celery")
 
 RELAY_BATCH = 500
 TRIM_INTERVAL = 3600.0
+SAMPLE_INTERVAL = 60.0
 
 
 def relay_once(durable: Durable) -> int:
@@ -45,6 +49,7 @@ def relay_once(durable: Durable) -> int:
                 durable.settings.relay_after,
                 RELAY_BATCH,
                 runs.c.workflow.in_(known),
+                ~queue_rows.paused_exists(),  # a paused queue's runs wait for its resume
             )
         for row in rows:
             workflow = durable.workflows[row.workflow]
@@ -132,6 +137,11 @@ def _end(durable: Durable, run: Any, status: str, end: Any) -> bool:
     return done
 
 
+def sample_queues_once(durable: Durable) -> bool:
+    """Write this minute's per-queue sample unless another node did; True if this one wrote."""
+    return queues.sample_once(durable, SAMPLE_INTERVAL)
+
+
 def trim_activity_once(durable: Durable) -> int:
     """Delete activity entries older than a week; returns how many."""
     with durable.db.begin() as conn:
@@ -141,8 +151,9 @@ def trim_activity_once(durable: Durable) -> int:
 class Upkeep:
     """A daemon thread running the periodic passes until stopped."""
 
-    def __init__(self, durable: Durable) -> None:
+    def __init__(self, durable: Durable, worker: Any = None) -> None:
         self.durable = durable
+        self.node = Node(durable, worker) if worker is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -162,16 +173,46 @@ class Upkeep:
     def _loop(self) -> None:
         s = self.durable.settings
         next_sweep = time.monotonic() + min(s.sweep_interval, s.stale_lock_timeout)
-        next_trim = time.monotonic()
+        next_trim = next_prune = next_sample = next_beat = time.monotonic()
+        self._guarded(self._register_node)
         while not self._stop.wait(s.poll_interval):
+            self._guarded(self._reconcile_queues)
             self._guarded(relay_once)
             self._guarded(fail_overdue_once)
+            now = time.monotonic()
+            if self.node is not None and now >= next_beat:
+                next_beat = now + max(s.heartbeat_interval, 1.0)
+                self._guarded(self._beat_node)
+            if s.prune and now >= next_prune:
+                next_prune = now + s.prune_interval
+                self._guarded(prune.prune)
+            if now >= next_sample:
+                next_sample = now + SAMPLE_INTERVAL
+                self._guarded(sample_queues_once)
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + s.sweep_interval
                 self._guarded(sweep_stale_once)
             if time.monotonic() >= next_trim:
                 next_trim = time.monotonic() + TRIM_INTERVAL
                 self._guarded(trim_activity_once)
+
+    def _register_node(self, durable: Durable) -> None:
+        if self.node is not None:
+            self.node.register()
+
+    def mark_draining(self, durable: Durable) -> None:
+        """Show this node as draining (``durable nodes``, ``status``) while it shuts down."""
+        if self.node is not None:
+            with durable.db.begin() as conn:
+                node_rows.mark_draining(conn, self.node.name)
+
+    def _beat_node(self, durable: Durable) -> None:
+        if self.node is not None:
+            self.node.beat()
+
+    def _reconcile_queues(self, durable: Durable) -> None:
+        if self.node is not None:
+            self.node.reconcile(queues.paused_queues(durable))
 
     def _guarded(self, job: Any) -> None:
         try:
@@ -191,7 +232,7 @@ def install(durable: Durable) -> None:
         requires = ("celery.worker.components:Pool",)
 
         def create(self, worker: Any) -> Upkeep:
-            return Upkeep(durable)
+            return Upkeep(durable, worker)
 
         def start(self, worker: Any) -> None:
             durable.engine.undrain()
@@ -202,6 +243,9 @@ def install(durable: Durable) -> None:
             # (stopped after this) waits for running steps; those still running after the
             # grace period are handed back.
             durable.engine.drain(durable.settings.shutdown_grace_period)
+            upkeep = getattr(self, "obj", None)
+            if upkeep is not None:
+                upkeep._guarded(upkeep.mark_draining)
             super().stop(worker)
 
     durable.app.steps["worker"].add(DurableUpkeep)

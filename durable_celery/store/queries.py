@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, and_, bindparam, func, insert, or_, select, update
 
 from .db import Clock, Database, shape
+from .queue_rows import paused_exists
 from .schema import keys, runs, steps
 
 # A waiting run is claimable once due: its timeout passed or its event came.
@@ -111,6 +112,7 @@ def claim_run(
                 runs.c.status.in_(statuses),
                 runs.c.locked_by.is_(None),
                 runs.c.due_at <= now,
+                ~paused_exists(),  # a step of a paused queue waits for its resume (queues.py)
             )
             .values(
                 status="compensating" if compensate else "running",

@@ -181,6 +181,14 @@ keys = Table(
     ),
     Column("taken_at", Timestamp, nullable=False),
     Index("ux_durable_keys_holder", "holder_id", unique=True),
+    # Deleting a run (pruning) sets waiting_id to NULL where it points at it: without this
+    # index every deleted run would scan the keys table.
+    Index(
+        "ix_durable_keys_waiting",
+        "waiting_id",
+        postgresql_where=text("waiting_id IS NOT NULL"),
+        sqlite_where=text("waiting_id IS NOT NULL"),
+    ),
 )
 
 # What happened, for people: key decisions and other notable moments, kept for a week.

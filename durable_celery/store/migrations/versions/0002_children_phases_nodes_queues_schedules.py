@@ -1,4 +1,4 @@
-"""children, compensation phases, step logs, nodes, queues, queue samples and schedules
+"""children, compensation phases, step logs, nodes, queues, queue samples, schedules, key waiting index
 
 Revision ID: 0002
 Revises: 0001
@@ -85,6 +85,14 @@ def upgrade() -> None:
             postgresql_where=sa.text("parent_id IS NOT NULL"),
             sqlite_where=sa.text("parent_id IS NOT NULL"),
         )
+    op.create_index(
+        "ix_durable_keys_waiting",
+        "durable_keys",
+        ["waiting_id"],
+        unique=False,
+        postgresql_where=sa.text("waiting_id IS NOT NULL"),
+        sqlite_where=sa.text("waiting_id IS NOT NULL"),
+    )
     with op.batch_alter_table("durable_steps", schema=None) as batch_op:
         batch_op.add_column(
             sa.Column("phase", sa.String(length=16), server_default=sa.text("'step'"), nullable=False)
@@ -99,6 +107,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_index("ix_durable_keys_waiting", table_name="durable_keys")
     with op.batch_alter_table("durable_steps", schema=None) as batch_op:
         batch_op.drop_index("ux_durable_steps_run_step_phase_attempt")
         batch_op.create_index(

@@ -1,0 +1,74 @@
+"""This worker node as the database sees it: its heartbeat row, and its consumers kept in line
+with the paused queues.
+
+Runs inside the worker's upkeep thread. Consumer changes are handed to the worker's event loop
+with ``call_soon`` (the same way Celery's own ``cancel_consumer`` control command does it), and
+only queues this node consumed when it started are ever consumed again on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from .store import node_rows
+from .store.db import utcnow
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+log = logging.getLogger("durable_celery")
+
+FORGET_AFTER = timedelta(days=1)
+
+
+class Node:
+    """One worker node: announces itself, heartbeats, and pauses/resumes its own consumers."""
+
+    def __init__(self, durable: Durable, worker: Any = None) -> None:
+        self.durable = durable
+        self.worker = worker
+        self.name = getattr(worker, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
+        self.queues = self._started_queues()
+        self.cancelled: set[str] = set()
+
+    def _started_queues(self) -> list[str]:
+        if self.worker is None:
+            return []
+        selected = self.durable.app.amqp.queues.consume_from
+        return sorted(selected) if selected else [self.durable.app.conf.task_default_queue]
+
+    def register(self) -> None:
+        """Write this node's row afresh (at start)."""
+        with self.durable.db.begin() as conn:
+            node_rows.register_node_txn(self.durable.db, conn, self.name, self.queues, os.getpid())
+
+    def beat(self) -> None:
+        """Mark this node seen (re-registering if its row was forgotten); forget long-gone nodes."""
+        db = self.durable.db
+        with db.begin() as conn:
+            if not node_rows.beat_node_txn(db, conn, self.name, self.consumed(), os.getpid()):
+                node_rows.register_node_txn(db, conn, self.name, self.consumed(), os.getpid())
+            node_rows.forget_nodes_txn(conn, utcnow() - FORGET_AFTER)
+
+    def consumed(self) -> list[str]:
+        """The queues this node consumes now (its start queues less those paused here)."""
+        return [q for q in self.queues if q not in self.cancelled]
+
+    def reconcile(self, paused: set[str]) -> None:
+        """Stop consuming this node's paused queues, and consume its resumed ones again."""
+        consumer = getattr(self.worker, "consumer", None)
+        if consumer is None or getattr(consumer, "task_consumer", None) is None:
+            return
+        for queue in self.queues:
+            if queue in paused and queue not in self.cancelled:
+                self.cancelled.add(queue)
+                consumer.call_soon(consumer.cancel_task_queue, queue)
+                log.info("durable: %s stops consuming paused queue %s", self.name, queue)
+            elif queue not in paused and queue in self.cancelled:
+                self.cancelled.discard(queue)
+                consumer.call_soon(consumer.add_task_queue, queue)
+                log.info("durable: %s consumes resumed queue %s again", self.name, queue)

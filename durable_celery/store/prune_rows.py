@@ -1,0 +1,74 @@
+"""Statements that delete finished runs (steps, events and held keys go with them by cascade)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, String, any_, bindparam, delete, exists, func, select
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from .db import Database
+from .schema import FINISHED, events, keys, runs, steps
+
+
+def _old_finished(db: Database, statuses: Sequence[str], older_than: float) -> Any:
+    # Only finished statuses ever reach here (the caller checks), and finished_at < cutoff
+    # implies finished_at IS NOT NULL, so PostgreSQL uses the partial ix_durable_runs_finished.
+    assert set(statuses) <= set(FINISHED), statuses
+    return (runs.c.status.in_(list(statuses)), runs.c.finished_at < db.later(-older_than))
+
+
+def delete_finished_batch_txn(
+    db: Database, conn: Connection, statuses: Sequence[str], older_than: float, limit: int
+) -> tuple[int, int]:
+    """Delete up to ``limit`` runs in ``statuses`` finished over ``older_than`` seconds ago.
+
+    Returns (deleted, picked). On PostgreSQL rows another transaction holds are skipped, so
+    several nodes prune at once, and the batch never waits for a lock: a start holds a key row
+    before it locks the holder's row, so the pruner locks its runs, then their key rows, both
+    with SKIP LOCKED, and leaves a run whose key row is busy for a later batch. SQLite
+    serializes writers, so there one statement takes the first ``limit``.
+    """
+    if conn.dialect.name != "postgresql":
+        chosen = select(runs.c.id).where(*_old_finished(db, statuses, older_than)).limit(limit)
+        deleted = int(conn.execute(delete(runs).where(runs.c.id.in_(chosen.scalar_subquery()))).rowcount)
+        return deleted, deleted
+    holds = exists().where(keys.c.holder_id == runs.c.id).label("holds")
+    picked = conn.execute(
+        select(runs.c.id, holds)
+        .where(*_old_finished(db, statuses, older_than))
+        .limit(limit)
+        .with_for_update(of=runs, skip_locked=True)
+    ).all()
+    held = [r.id for r in picked if r.holds]
+    locked: set[str] = set()
+    if held:
+        query = (
+            select(keys.c.holder_id).where(keys.c.holder_id == _any_id()).with_for_update(skip_locked=True)
+        )
+        locked = set(conn.execute(query, {"ids": held}).scalars())
+    ids = [r.id for r in picked if not r.holds or r.id in locked]
+    if not ids:
+        return 0, len(picked)
+    deleted = conn.execute(delete(runs).where(runs.c.id == _any_id()), {"ids": ids}).rowcount
+    return int(deleted), len(picked)
+
+
+def _any_id() -> Any:
+    # One array parameter rather than 5,000 (PostgreSQL only).
+    return any_(bindparam("ids", type_=ARRAY(String)))
+
+
+def count_finished(
+    db: Database, conn: Connection, statuses: Sequence[str], older_than: float
+) -> dict[str, int]:
+    """How many runs, step rows and events a delete of these runs would remove (writes nothing)."""
+    where = _old_finished(db, statuses, older_than)
+    chosen = select(runs.c.id).where(*where)
+    n_runs = conn.execute(select(func.count()).select_from(runs).where(*where)).scalar() or 0
+    n_steps = conn.execute(select(func.count()).select_from(steps).where(steps.c.run_id.in_(chosen))).scalar()
+    n_events = conn.execute(
+        select(func.count()).select_from(events).where(events.c.run_id.in_(chosen))
+    ).scalar()
+    return {"runs": int(n_runs), "steps": int(n_steps or 0), "events": int(n_events or 0)}
