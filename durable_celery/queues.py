@@ -42,6 +42,8 @@ def check_queue_name(name: Any) -> str:
 def queue_of(durable: Durable, workflow: Workflow, step_index: int) -> str:
     """The Celery queue a step's messages go to (the step's, the workflow's or the app default)."""
     default = durable.app.conf.task_default_queue
+    if step_index >= len(workflow.steps):  # a workflow known here by name only (a schedule's fire)
+        return workflow.queue or default
     return workflow.queue_for(workflow.steps[step_index], default) or default
 
 

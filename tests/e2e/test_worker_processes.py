@@ -51,6 +51,8 @@ APP = textwrap.dedent(
         # The first worker to run this step loops until it is stopped; later ones finish.
         first = not (marks / "started").exists()
         (marks / "started").touch()
+        if first and mode == "drain":
+            durable.drain()  # what a preStop hook calls: this worker shuts down gracefully
         while first or mode == "forever":
             if mode == "polite" and current_run().shutting_down():
                 current_run().snooze(0, "worker shutting down")
@@ -155,6 +157,16 @@ def test_a_step_that_sees_shutting_down_snoozes_and_continues_elsewhere(client, 
     assert [a.details["reason"] for a in client.activity(kinds=["snoozed"], run_id=run_id)] == [
         "worker shutting down"
     ]
+    second = start_worker("second")
+    assert wait_for(client, run_id, timeout=40).output == second.pid
+
+
+@pytest.mark.timeout(120)
+def test_drain_from_code_shuts_the_worker_down_and_hands_the_step_back(client, start_worker, proc_env):
+    first = start_worker("first", GRACE="1")
+    run_id = client.start("job", {"mode": "drain"})
+    assert first.wait(40) == 0  # no signal sent: drain() alone stopped it
+    assert len(client.activity(kinds=["handed_back"], run_id=run_id)) == 1
     second = start_worker("second")
     assert wait_for(client, run_id, timeout=40).output == second.pid
 
