@@ -13,7 +13,7 @@ from .waits import MISSING
 
 if TYPE_CHECKING:
     from .definition import Workflow
-    from .engine import ActiveStep
+    from .heartbeat import ActiveStep
 
 _current: ContextVar[RunContext | None] = ContextVar("durable_current_run", default=None)
 

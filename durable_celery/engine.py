@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -17,6 +16,7 @@ from . import instrument, signals
 from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import DurableError, RunStopped, StepTimeout
+from .heartbeat import ActiveStep, Heartbeater
 from .keys import settle_waiting_txn, wake_parent_txn
 from .queues import queue_of
 from .rollout import definition_changed
@@ -30,43 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("durable_celery")
 
 
-class StepCancelled(RunStopped):
-    """The run was cancelled (or otherwise ended, e.g. by its timeout) while this step ran."""
-
-    def __init__(self, reason: str = "cancelled") -> None:
-        super().__init__(reason)
-
-
-class StepFenced(RunStopped):
-    """Another worker took the run over; this one may not record anything."""
-
-    def __init__(self, reason: str = "fenced") -> None:
-        super().__init__(reason)
-
-
-class StepShutdown(RunStopped):
-    """The worker is shutting down and the grace period is over: the run is handed back."""
-
-    def __init__(self, reason: str = "shutdown") -> None:
-        super().__init__(reason)
-
-
-class StepTimedOut(RunStopped):
-    """The step ran past its timeout."""
-
-    def __init__(self, reason: str = "timeout") -> None:
-        super().__init__(reason)
-
-
 # Statuses a step or compensation can end a run in.
 ENDED = ("completed", "failed", "compensated", "compensation_failed")
-
-_STOPS: dict[str, type[RunStopped]] = {
-    "cancelled": StepCancelled,
-    "fenced": StepFenced,
-    "timeout": StepTimedOut,
-    "shutdown": StepShutdown,
-}
 
 
 def error_record(exc: BaseException) -> dict[str, Any]:
@@ -76,109 +41,6 @@ def error_record(exc: BaseException) -> dict[str, Any]:
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
     }
-
-
-class ActiveStep:
-    """A step running on this process: its lock token, deadline and how to stop it."""
-
-    def __init__(
-        self, engine: Engine, run_id: str, fence: int, timeout: float | None, compensate: bool = False
-    ) -> None:
-        self.engine = engine
-        self.compensate = compensate  # compensations are never stopped for a shutdown
-        self.run_id = run_id
-        self.fence = fence
-        self.thread_id = threading.get_ident()
-        self.deadline = time.monotonic() + timeout if timeout else None
-        self.next_beat = time.monotonic() + engine.durable.settings.heartbeat_interval
-        self.stop_reason: str | None = None
-        self._running = True
-        self._lock = threading.Lock()
-
-    def heartbeat_now(self) -> None:
-        """Heartbeat from the step's own thread; raises RunStopped when the run is gone."""
-        reason = self.engine.beat(self)
-        if reason is not None:
-            self.stop_reason = reason
-            raise _STOPS[reason]()
-
-    def interrupt(self, reason: str) -> None:
-        """Raise the matching RunStopped inside the step's thread, if it is still running."""
-        with self._lock:
-            if not self._running or self.stop_reason is not None:
-                return
-            self.stop_reason = reason
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self.thread_id), ctypes.py_object(_STOPS[reason])
-            )
-
-    def finish(self) -> None:
-        """Stop accepting interrupts and drop one that was sent but not yet raised."""
-        while True:
-            try:
-                with self._lock:
-                    self._running = False
-                    if self.stop_reason is not None:
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
-                return
-            except RunStopped:  # raised between the step's end and the lock: it came too late
-                continue
-
-
-class Heartbeater:
-    """One thread per process that heartbeats running steps and enforces their timeouts."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.active: set[ActiveStep] = set()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-
-    def add(self, step: ActiveStep) -> None:
-        """Watch a step until :meth:`remove`."""
-        with self._lock:
-            self.active.add(step)
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._loop, name="durable-heartbeat", daemon=True)
-                self._thread.start()
-
-    def remove(self, step: ActiveStep) -> None:
-        """Stop watching a step."""
-        with self._lock:
-            self.active.discard(step)
-
-    def _loop(self) -> None:
-        interval = self.engine.durable.settings.heartbeat_interval
-        tick = min(0.25, interval / 4)
-        while True:
-            self._wake.wait(tick)
-            self._wake.clear()
-            with self._lock:
-                watched = list(self.active)
-            now = time.monotonic()
-            for step in watched:
-                try:
-                    self._check(step, now, interval)
-                except Exception:  # a database hiccup must not kill the heartbeat thread
-                    log.exception("durable heartbeat of run %s failed", step.run_id)
-
-    def poke(self) -> None:
-        """Run a pass now (e.g. a shutdown began)."""
-        self._wake.set()
-
-    def _check(self, step: ActiveStep, now: float, interval: float) -> None:
-        if step.deadline is not None and now >= step.deadline:
-            step.interrupt("timeout")
-        elif not step.compensate and self.engine.drain_over():
-            step.interrupt("shutdown")
-        elif now >= step.next_beat:
-            step.next_beat = now + interval
-            reason = self.engine.beat(step)
-            if reason is not None:
-                step.interrupt(reason)
 
 
 @dataclass
