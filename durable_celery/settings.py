@@ -1,0 +1,94 @@
+"""``Settings``: the tunables of one ``Durable``, from keywords, ``app.conf`` and the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from celery import Celery
+
+from .errors import InvalidDefinition
+from .prune import check_rules as check_prune_rules
+
+EMBEDDED_HOME = ".durable"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Tunables of one ``Durable``; each may also be set as ``app.conf.durable_<name>``."""
+
+    database_url: str | None = None
+    pool_size: int = 5
+    # Behind PgBouncer in transaction mode (before 1.21): no server-side prepared statements.
+    pgbouncer: bool = False
+    heartbeat_interval: float = 10.0
+    stale_lock_timeout: float = 300.0
+    max_losses: int = 3
+    relay_after: float = 120.0
+    poll_interval: float = 1.0
+    sweep_interval: float = 60.0
+    backoff_base: float = 1.0
+    backoff_max: float = 300.0
+    publish_retries: int = 2
+    shutdown_grace_period: float = 15.0
+    missing_code_retry: float = 30.0
+    upkeep: bool = True
+    home: str = EMBEDDED_HOME
+    # -- watching (logs.py, tracing.py, metrics.py) ---------------------------------------------
+    # {"levels": [...], "metadata_filter": [...], "console": bool}, True (defaults) or False.
+    log_capture: Any = None
+    # An OpenTelemetry TracerProvider for step spans; None uses the global one.
+    tracer_provider: Any = None
+    # Serve Prometheus metrics on this port from each worker while it runs.
+    metrics_port: int | None = None
+    schedule_pickup_timeout: float = 900.0
+    schedule_max_failures: int = 5
+    # Retention (off by default): rule -> age, rules "completed", "cancelled", "failed" (prune.py).
+    prune: Mapping[str, Any] | None = None
+    prune_interval: float = 3600.0
+
+    @classmethod
+    def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:
+        """Settings from keyword arguments, then ``app.conf.durable_*``, then the environment."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(given) - names
+        if unknown:
+            raise InvalidDefinition(f"unknown Durable setting(s): {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name in names:
+            conf_value = app.conf.get(f"durable_{name}")
+            if name in given:
+                values[name] = given[name]
+            elif conf_value is not None:
+                values[name] = conf_value
+        url = database_url or values.get("database_url") or os.environ.get("DURABLE_DATABASE_URL")
+        if "home" not in values and os.environ.get("DURABLE_HOME"):
+            values["home"] = os.environ["DURABLE_HOME"]
+        values["database_url"] = url
+        settings = cls(**values)
+        for name in (
+            "heartbeat_interval",
+            "stale_lock_timeout",
+            "relay_after",
+            "poll_interval",
+            "sweep_interval",
+            "backoff_base",
+            "backoff_max",
+            "shutdown_grace_period",
+            "missing_code_retry",
+            "schedule_pickup_timeout",
+            "prune_interval",
+        ):
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+        limit = settings.schedule_max_failures
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
+        settings = replace(settings, prune=check_prune_rules(settings.prune))
+        if settings.database_url is None:
+            path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
+            settings = replace(settings, database_url=f"sqlite:///{path}")
+        return settings
