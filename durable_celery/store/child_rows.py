@@ -49,18 +49,19 @@ def wake_parent_txn(db: Database, conn: Connection, child_id: str) -> Any:
 
 def due_if_any_finished_txn(db: Database, conn: Connection, run_id: str, child_ids: Sequence[str]) -> None:
     """Right after parking a parent: make it due at once if one of ``child_ids`` has finished
-    meanwhile (its wake-up found the parent not yet waiting).
+    meanwhile (its wake-up found the parent not yet waiting), or may be finishing right now.
 
-    The children are read FOR SHARE: a child whose finishing transaction is still open is
-    waited for and then seen finished. Without the lock, that child's wake-up (which found the
-    parent still running) and this check (which found the child still running) could both miss.
+    A child whose finishing transaction is still open has its row locked: it is skipped (never
+    waited for, so this cannot deadlock with that transaction, which waits for the parent's
+    row) and counted as possibly finished. Its own wake-up, or this one, then wakes the parent;
+    at worst the parent's step runs once more and parks again.
     """
+    wanted = set(child_ids)
     query = (
-        select(runs.c.id)
-        .where(runs.c.id.in_(list(child_ids)), runs.c.finished_at.is_not(None))
-        .with_for_update(read=True)
+        select(runs.c.id, runs.c.finished_at)
+        .where(runs.c.id.in_(list(wanted)))
+        .with_for_update(read=True, skip_locked=True)
     )
-    locked = select(runs.c.id).where(runs.c.id.in_(list(child_ids))).with_for_update(read=True)
-    conn.execute(locked).all()  # wait for children being finished right now
-    if conn.execute(query).first() is not None:
+    seen = conn.execute(query).all()
+    if len(seen) < len(wanted) or any(row.finished_at is not None for row in seen):
         conn.execute(update(runs).where(runs.c.id == run_id).values(due_at=db.now()))

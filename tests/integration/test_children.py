@@ -292,3 +292,21 @@ def test_cli_show_lists_compensations_and_children(durable, tmp_path):
     assert "1. b attempt 1: failed b broke" in out.stdout
     kid = durable.list_children(run.id)[0]
     assert f"child {kid.id} (shown_child)" in out.stdout
+
+
+def test_many_parents_whose_children_finish_while_they_park_all_complete(durable):
+    """Children that finish at the moment their parent parks: no wake-up is lost and no
+    transaction deadlocks (the parent never waits on a finishing child's row)."""
+    quick = durable.workflow("instant")
+    quick.step(lambda n: n, name="echo")
+    parent = durable.workflow("fan_in")
+
+    @parent.step
+    def gather(p):
+        return sum(current_run().parallel([(quick, {"n": p * 10 + i}) for i in range(8)]))
+
+    with worker(durable, concurrency=8):
+        ids = [durable.start(parent, {"p": p}) for p in range(40)]
+        runs = [wait_for(durable, run_id, timeout=60) for run_id in ids]
+    assert [r.status for r in runs] == ["completed"] * 40
+    assert [r.output for r in runs] == [sum(p * 10 + i for i in range(8)) for p in range(40)]
