@@ -9,6 +9,7 @@ from typing import Any
 
 from celery.contrib.testing.worker import start_worker
 from celery.worker import state as worker_state
+from kombu.asynchronous import set_event_loop
 
 from .app import Durable
 from .models import Run
@@ -27,6 +28,10 @@ def worker(
     **options: Any,
 ) -> Iterator[Any]:
     """Run a real Celery worker (thread pool) for ``durable.app`` inside this process."""
+    # Celery's worker reuses the process's current kombu event loop when one is set; two
+    # workers running at once in one process would then drive one hub from two threads (and
+    # block on each other's sockets). Each worker started here gets a hub of its own.
+    set_event_loop(None)
     if queues:
         options["queues"] = queues
     if WAKE_TASK not in durable.app.tasks:
