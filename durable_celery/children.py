@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from .definition import Workflow, check_input
 from .errors import ChildFailed, InvalidArgument
+from .heartbeat import STOPS, stop_reason
 from .keys import Decision, decide_start_txn
 from .store import child_rows
 from .store.schema import FINISHED
@@ -104,6 +105,7 @@ def _start_children(
         try:
             with durable.db.begin() as conn:
                 found, decisions = _insert_missing(durable, conn, run.id, prepared)
+                _check_parent(conn, run)
             break
         except IntegrityError:
             continue
@@ -147,6 +149,20 @@ def _insert_missing(
         decisions.append(decision)
     found.update(child_rows.children_by_refs_txn(conn, parent_id, [r for r in prepared if r not in found]))
     return found, decisions
+
+
+def _check_parent(conn: Connection, run: RunContext) -> None:
+    """Refuse (and roll back) children of a run that was cancelled or taken over meanwhile.
+
+    Checked last in the transaction, after the children's key rows, so the lock order matches
+    a finishing child's (its key, then its parent) and the two cannot deadlock.
+    """
+    parent = child_rows.parent_state_txn(conn, run.id)
+    fence = run._active.fence
+    if parent is None or parent.fence != fence or parent.status not in ("running", "compensating"):
+        reason = stop_reason(None if parent is None else parent.fence, fence)
+        run._active.stop_reason = reason
+        raise STOPS[reason]()
 
 
 def _cancel_all(run: RunContext, run_ids: Sequence[str]) -> None:

@@ -67,7 +67,11 @@ def _age(seconds: float) -> str:
 
 
 @click.command()
-@click.option("--fix", is_flag=True, help="Repair what is safe: stale locks, missed wake-ups, unsent runs.")
+@click.option(
+    "--fix",
+    is_flag=True,
+    help="Repair what is safe: stale locks, missed wake-ups, orphaned children, unsent runs.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per finding.")
 @click.pass_context
 def doctor(ctx: click.Context, fix: bool, as_json: bool) -> None:

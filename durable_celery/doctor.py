@@ -12,6 +12,8 @@ Findings (``Finding.kind``):
 * ``unsent``: a run due for a while whose message was never sent, or was sent and neither
   claimed nor re-sent (no worker's upkeep is running). ``--fix`` runs the outbox relay.
 * ``stalled_compensation``: a compensating run nobody holds and that is not due.
+* ``orphaned_child``: an unfinished child of a cancelled parent (the cancel's process died
+  before it reached every child). ``--fix`` cancels it, as the workers' upkeep does.
 * ``disabled_schedule``: a cron schedule turned off; it fires again only once re-enabled.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .models import aware
-from .store import doctor_rows, observe_rows
+from .store import child_rows, doctor_rows, observe_rows
 from .store.db import utcnow
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 LIMIT = 1000  # findings per kind
 UNSENT_AFTER = 30.0  # seconds a due, never-sent run may wait for the relay before it is a finding
-FIXABLE = ("missed_wakeup", "stale_lock", "unsent")
+FIXABLE = ("missed_wakeup", "stale_lock", "unsent", "orphaned_child")
 
 
 @dataclass
@@ -72,6 +74,7 @@ def diagnose(durable: Durable) -> list[Finding]:
         )
         compensations = doctor_rows.stalled_compensations(conn, LIMIT)
         disabled = observe_rows.disabled_schedules(conn)
+        orphans = child_rows.orphans(conn, LIMIT)
     found = [
         _run_finding(
             "waiting_unwakeable", r, "waiting with no timer and nothing to wait for", wait=r.wait_name
@@ -106,6 +109,10 @@ def diagnose(durable: Durable) -> list[Finding]:
         for r in compensations
     ]
     found += [
+        _run_finding("orphaned_child", r, f"its parent {r.parent_id} was cancelled", parent_id=r.parent_id)
+        for r in orphans
+    ]
+    found += [
         Finding(
             kind="disabled_schedule",
             message=f"schedule {r.name!r} is turned off after {r.failures} failure(s)",
@@ -123,8 +130,9 @@ def _when(value: Any) -> str | None:
 
 
 def repair(durable: Durable) -> dict[str, int]:
-    """The safe repairs: wake missed wake-ups, sweep stale locks, relay unsent runs."""
-    from .upkeep import relay_once, sweep_stale_once
+    """The safe repairs: wake missed wake-ups, sweep stale locks, cancel orphaned children,
+    relay unsent runs."""
+    from .upkeep import cancel_orphans_once, relay_once, sweep_stale_once
 
     db = durable.db
     with db.engine.connect() as conn:
@@ -134,8 +142,15 @@ def repair(durable: Durable) -> dict[str, int]:
         with db.begin() as conn:
             woken += doctor_rows.wake_missed_txn(db, conn, row.id)
     handed_back, failed = sweep_stale_once(durable)
+    orphans = cancel_orphans_once(durable)
     sent = relay_once(durable)
-    return {"woken": woken, "handed_back": len(handed_back), "failed": len(failed), "sent": sent}
+    return {
+        "woken": woken,
+        "handed_back": len(handed_back),
+        "failed": len(failed),
+        "cancelled": len(orphans),
+        "sent": sent,
+    }
 
 
 def doctor(durable: Durable, fix: bool = False) -> list[Finding]:

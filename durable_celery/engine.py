@@ -16,7 +16,7 @@ from . import instrument, signals
 from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import DurableError, RunStopped, StepTimeout
-from .heartbeat import ActiveStep, Heartbeater
+from .heartbeat import ActiveStep, Heartbeater, stop_reason
 from .keys import settle_waiting_txn, wake_parent_txn
 from .queues import queue_of
 from .rollout import definition_changed
@@ -154,7 +154,7 @@ class Engine:
             if queries.heartbeat_run(self.db, conn, active.run_id, active.fence):
                 return None
             fence = queries.run_fence(conn, active.run_id)
-        return _stop_reason(fence, active.fence)
+        return stop_reason(fence, active.fence)
 
     # -- results --------------------------------------------------------------------------
 
@@ -195,7 +195,7 @@ class Engine:
             step_row.update(status="failed", error=error_record(outcome.error))
         recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
         if not recorded:
-            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         signals.step_finished.send(
             sender=self.durable,
             run_id=row.id,
@@ -349,7 +349,7 @@ class Engine:
         status = run_values.get("status", "compensating")
         recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
         if not recorded:
-            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         self._after_write(workflow, row, status, run_values)
         return status
 
@@ -360,7 +360,7 @@ class Engine:
                 child_rows.due_if_any_finished_txn(self.db, conn, row.id, parked.children)
             fence_now = None if done else queries.run_fence(conn, row.id)
         if not done:
-            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         return "waiting"
 
     def _definition_changed(
@@ -383,7 +383,7 @@ class Engine:
         values = {"status": "failed", "error": error, "finished_at": Clock(), "due_at": None}
         recorded, fence_now = self._write(workflow, row, "failed", values, step_row)
         if not recorded:
-            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         self._after_write(workflow, row, "failed", values)
         return "definition_changed"
 
@@ -396,7 +396,7 @@ class Engine:
                 activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
             fence_now = None if done else queries.run_fence(conn, row.id)
         if not done:
-            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         log.warning("durable: worker shutting down; run %s step %s handed back", row.id, step.name)
         return "handed_back"
 
@@ -440,7 +440,7 @@ class Engine:
                 )
             fence_now = None if done else queries.run_fence(conn, row.id)
         if not done:
-            return self._stopped(workflow, step, row, _stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         return "snoozed"
 
     def _stopped(self, workflow: Workflow, step: Step, row: Any, reason: str) -> str:
@@ -463,12 +463,6 @@ def _json_or_none(value: Any) -> Any:
     except (TypeError, ValueError):
         return None
     return value
-
-
-def _stop_reason(fence_now: int | None, fence: int) -> str:
-    """Why a step may not go on: another worker took the run over (its fence moved on), or the
-    run ended under it (cancelled, timed out, deleted)."""
-    return "fenced" if fence_now is not None and fence_now != fence else "cancelled"
 
 
 def _check_json(outcome: Outcome, ctx: RunContext) -> Outcome:

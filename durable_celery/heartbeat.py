@@ -47,12 +47,18 @@ class StepTimedOut(RunStopped):
         super().__init__(reason)
 
 
-_STOPS: dict[str, type[RunStopped]] = {
+STOPS: dict[str, type[RunStopped]] = {
     "cancelled": StepCancelled,
     "fenced": StepFenced,
     "timeout": StepTimedOut,
     "shutdown": StepShutdown,
 }
+
+
+def stop_reason(fence_now: int | None, fence: int) -> str:
+    """Why a step may not go on: another worker took the run over (its fence moved on), or the
+    run ended under it (cancelled, timed out, deleted)."""
+    return "fenced" if fence_now is not None and fence_now != fence else "cancelled"
 
 
 class ActiveStep:
@@ -77,7 +83,7 @@ class ActiveStep:
         reason = self.engine.beat(self)
         if reason is not None:
             self.stop_reason = reason
-            raise _STOPS[reason]()
+            raise STOPS[reason]()
 
     def interrupt(self, reason: str) -> None:
         """Raise the matching RunStopped inside the step's thread, if it is still running."""
@@ -86,7 +92,7 @@ class ActiveStep:
                 return
             self.stop_reason = reason
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self.thread_id), ctypes.py_object(_STOPS[reason])
+                ctypes.c_ulong(self.thread_id), ctypes.py_object(STOPS[reason])
             )
 
     def finish(self) -> None:

@@ -21,7 +21,7 @@ from .keys import end_run_txn
 from .nodes import Node
 from .observe import ACTIVITY_KEPT
 from .rollout import fail_changed
-from .store import activity_rows, node_rows, queries, queue_rows
+from .store import activity_rows, child_rows, node_rows, queries, queue_rows
 from .store.db import utcnow
 from .store.schema import runs
 
@@ -102,6 +102,19 @@ def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
         signals.stale_recovered.send(sender=durable, run_ids=handed_back, failed_ids=failed)
         relay_once(durable)
     return handed_back, failed
+
+
+def cancel_orphans_once(durable: Durable) -> list[str]:
+    """Cancel unfinished children of cancelled parents (a cancel whose process died before it
+    reached every child); returns their ids."""
+    from .control import cancel
+
+    with durable.db.engine.connect() as conn:
+        orphans = child_rows.orphans(conn, RELAY_BATCH)
+    cancelled = [row.id for row in orphans if cancel(durable, row.id)]
+    if cancelled:
+        log.warning("durable: cancelled %d child run(s) of cancelled parents", len(cancelled))
+    return cancelled
 
 
 def fail_overdue_once(durable: Durable) -> list[str]:
@@ -192,6 +205,7 @@ class Upkeep:
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + s.sweep_interval
                 self._guarded(sweep_stale_once)
+                self._guarded(cancel_orphans_once)
             if time.monotonic() >= next_trim:
                 next_trim = time.monotonic() + TRIM_INTERVAL
                 self._guarded(trim_activity_once)

@@ -34,6 +34,26 @@ def unfinished_children(conn: Connection, parent_id: str) -> Sequence[str]:
     return list(conn.execute(query).scalars())
 
 
+def parent_state_txn(conn: Connection, parent_id: str) -> Any:
+    """The parent's status and fence, share-locked until the end of the transaction: a cancel
+    committed first is seen, and one coming after waits for the children started here."""
+    query = select(runs.c.status, runs.c.fence).where(runs.c.id == parent_id).with_for_update(read=True)
+    return conn.execute(query).first()
+
+
+def orphans(conn: Connection, limit: int) -> Sequence[Any]:
+    """Unfinished children of cancelled parents (a cancel cut short before reaching them)."""
+    parent = runs.alias("parent")
+    query = (
+        select(runs.c.id, runs.c.workflow, runs.c.key, runs.c.status, runs.c.step_index, runs.c.parent_id)
+        .join(parent, parent.c.id == runs.c.parent_id)
+        .where(runs.c.status.in_(UNFINISHED), parent.c.status == "cancelled")
+        .order_by(runs.c.id)
+        .limit(limit)
+    )
+    return conn.execute(query).all()
+
+
 def wake_parent_txn(db: Database, conn: Connection, child_id: str) -> Any:
     """A child finished: make its parent due now if it waits for its children; returns what
     to publish (workflow, id, step index, attempt, key), or None."""

@@ -98,19 +98,25 @@ def test_start_workflow_is_fire_and_forget_and_replays_return_the_same_child(dur
     assert kid.output == "sent to ada" and kid.parent_id == run.id
 
 
-def test_cancelling_a_parent_cancels_its_unfinished_children(durable):
-    child = durable.workflow("long_child")
+def _parent_of_two_waiting_children(durable, name):
+    """A workflow whose one step runs two branches that wait for an event nobody sends."""
+    child = durable.workflow(f"{name}_child")
 
     @child.step
     def wait_forever():
         current_run().wait_for_event("never")
 
-    parent = durable.workflow("long_parent")
+    parent = durable.workflow(f"{name}_parent")
 
     @parent.step
     def spawn():
         current_run().parallel([(child, None), (child, None)])
 
+    return parent
+
+
+def test_cancelling_a_parent_cancels_its_unfinished_children(durable):
+    parent = _parent_of_two_waiting_children(durable, "long")
     with worker(durable):
         run_id = durable.start(parent)
 
@@ -310,3 +316,59 @@ def test_many_parents_whose_children_finish_while_they_park_all_complete(durable
         runs = [wait_for(durable, run_id, timeout=60) for run_id in ids]
     assert [r.status for r in runs] == ["completed"] * 40
     assert [r.output for r in runs] == [sum(p * 10 + i for i in range(8)) for p in range(40)]
+
+
+def test_a_step_of_a_cancelled_run_cannot_start_children(make_durable):
+    # The heartbeat is slow here, so the step is still running when it starts its child: the
+    # child's transaction sees the cancel and refuses, and nothing is left behind.
+    durable = make_durable(heartbeat_interval=60.0, stale_lock_timeout=300.0)
+    child = durable.workflow("late_child")
+    child.step(lambda: "ran", name="only")
+    parent = durable.workflow("late_parent")
+    started, go, raised = threading.Event(), threading.Event(), []
+
+    @parent.step
+    def spawn():
+        started.set()
+        go.wait(20)
+        try:
+            current_run().start_workflow(child)
+        except BaseException as exc:
+            raised.append(type(exc).__name__)
+            raise
+
+    with worker(durable):
+        run_id = durable.start(parent)
+        assert started.wait(20)
+        assert durable.cancel(run_id) is True
+        go.set()
+        _until(lambda: raised or durable.list_children(run_id))
+    assert raised == ["StepCancelled"]
+    assert durable.list_children(run_id) == []
+    assert durable.get_run(run_id).status == "cancelled"
+    assert [r.workflow for r in durable.list_runs(workflow="late_child")] == []
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_children_of_a_cancel_cut_short_are_found_and_cancelled(make_durable):
+    from sqlalchemy import update
+
+    from durable_celery.store.schema import runs
+
+    durable = make_durable(sweep_interval=0.5)
+    parent = _parent_of_two_waiting_children(durable, "orphan")
+    with worker(durable):
+        run_id = durable.start(parent)
+        _until(lambda: [k.status for k in durable.list_children(run_id)] == ["waiting", "waiting"])
+    # What a cancel leaves when its process dies after the parent's transaction committed.
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == run_id).values(status="cancelled"))
+    kids = {k.id for k in durable.list_children(run_id)}
+    found = [f for f in durable.doctor() if f.kind == "orphaned_child"]
+    assert {f.run_id for f in found} == kids and all(f.fixable for f in found)
+    assert {f.details["parent_id"] for f in found} == {run_id}
+
+    # A worker's upkeep cancels them (the same repair ``doctor --fix`` runs).
+    with worker(durable):
+        _until(lambda: [k.status for k in durable.list_children(run_id)] == ["cancelled", "cancelled"])
+    assert [f for f in durable.doctor() if f.kind == "orphaned_child"] == []
