@@ -168,11 +168,11 @@ class Engine:
         started: Any,
     ) -> str:
         if outcome.stopped is not None:
-            return self._stopped(workflow, step, row, outcome.stopped)
-        if outcome.parked is not None:
+            return self._stopped(workflow, step, row, outcome.stopped, outcome.logs)
+        if outcome.parked is not None:  # its lines come again when the step runs from the top
             return self._park(workflow, step, row, outcome.parked)
         if outcome.snoozed is not None:
-            return self._snooze(workflow, step, row, outcome.snoozed)
+            return self._snooze(workflow, step, row, outcome.snoozed, outcome.logs)
         if outcome.error is None:
             outcome = _check_json(outcome, ctx)
         last = step.index == len(workflow.steps) - 1
@@ -387,12 +387,14 @@ class Engine:
         self._after_write(workflow, row, "failed", values)
         return "definition_changed"
 
-    def _hand_back_for_shutdown(self, workflow: Workflow, step: Step, row: Any) -> str:
+    def _hand_back_for_shutdown(
+        self, workflow: Workflow, step: Step, row: Any, logs: list[dict[str, Any]] | None
+    ) -> str:
         """The grace period is over: give the run back, due now, for another worker."""
         with self.db.begin() as conn:
             done = queries.hand_back_txn(self.db, conn, row.id, row.fence, 0)
             if done:
-                details = {"step": step.name, "node": self.node}
+                details = _with_logs({"step": step.name, "node": self.node}, logs)
                 activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
             fence_now = None if done else queries.run_fence(conn, row.id)
         if not done:
@@ -425,7 +427,9 @@ class Engine:
         """Is the grace period of a graceful shutdown over?"""
         return bool(self._drain_at.value) and time.time() >= self._drain_at.value
 
-    def _snooze(self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed) -> str:
+    def _snooze(
+        self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed, logs: list[dict[str, Any]] | None
+    ) -> str:
         with self.db.begin() as conn:
             done = queries.hand_back_txn(self.db, conn, row.id, row.fence, snoozed.seconds)
             if done:
@@ -436,16 +440,20 @@ class Engine:
                     row.id,
                     row.workflow,
                     row.key,
-                    {"step": step.name, "seconds": snoozed.seconds, "reason": snoozed.reason},
+                    _with_logs(
+                        {"step": step.name, "seconds": snoozed.seconds, "reason": snoozed.reason}, logs
+                    ),
                 )
             fence_now = None if done else queries.run_fence(conn, row.id)
         if not done:
             return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         return "snoozed"
 
-    def _stopped(self, workflow: Workflow, step: Step, row: Any, reason: str) -> str:
+    def _stopped(
+        self, workflow: Workflow, step: Step, row: Any, reason: str, logs: list[dict[str, Any]] | None = None
+    ) -> str:
         if reason == "shutdown":
-            return self._hand_back_for_shutdown(workflow, step, row)
+            return self._hand_back_for_shutdown(workflow, step, row, logs)
         if reason == "fenced":
             self.fenced_count += 1
             log.warning("durable: run %s step %s was taken over; result dropped", row.id, step.name)
@@ -453,6 +461,12 @@ class Engine:
                 sender=self.durable, run_id=row.id, workflow=workflow.name, step=step.name
             )
         return reason
+
+
+def _with_logs(details: dict[str, Any], logs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """An activity entry's details, with the captured lines of the pass that ended there (a
+    pass that snoozed or was handed back writes no step row)."""
+    return {**details, "logs": logs} if logs else details
 
 
 def _json_or_none(value: Any) -> Any:

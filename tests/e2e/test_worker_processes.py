@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 APP = textwrap.dedent(
     """
-    import os, time
+    import logging, os, time
     from pathlib import Path
     from celery import Celery
     from durable_celery import Durable, current_run
@@ -51,6 +51,7 @@ APP = textwrap.dedent(
         # The first worker to run this step loops until it is stopped; later ones finish.
         first = not (marks / "started").exists()
         (marks / "started").touch()
+        logging.getLogger("procapp").warning("working (mode %s)", mode)
         if first and mode == "drain":
             durable.drain()  # what a preStop hook calls: this worker shuts down gracefully
         while first or mode == "forever":
@@ -137,6 +138,7 @@ def test_sigterm_hands_a_long_step_back_after_the_grace_period(client, start_wor
     assert time.monotonic() - stopped_at < 15  # the grace period (2 s), not the step, decided
     handed = client.activity(kinds=["handed_back"], run_id=run_id)
     assert len(handed) == 1
+    assert [r["body"] for r in handed[0].details["logs"]] == ["working (mode stubborn)"]
     second = start_worker("second")
     run = wait_for(client, run_id, timeout=40)  # far sooner than the 300 s stale timeout
     assert run.status == "completed" and run.output == second.pid

@@ -164,3 +164,27 @@ def test_log_metadata_must_be_callable(make_durable):
     durable = make_durable()
     with pytest.raises(InvalidDefinition, match="log_metadata"):
         durable.workflow("bad", log_metadata={"account_id": 1})
+
+
+def test_lines_of_a_pass_that_snoozed_are_kept_on_its_activity_entry(durable, billing_log):
+    wf = durable.workflow("quota")
+
+    @wf.step
+    def call_api():
+        if durable.activity(kinds=["snoozed"], run_id=current_run().id):
+            billing_log.warning("quota back")
+            return "called"
+        billing_log.warning("quota exceeded for %s", current_run().id)
+        current_run().snooze(0.2, "quota")
+
+    with worker(durable):
+        run_id = durable.start(wf)
+        assert wait_for(durable, run_id).status == "completed"
+    (snoozed,) = durable.activity(kinds=["snoozed"], run_id=run_id)
+    assert snoozed.details["reason"] == "quota"
+    assert [(r["severity_text"], r["body"]) for r in snoozed.details["logs"]] == [
+        ("WARNING", f"quota exceeded for {run_id}")
+    ]
+    assert snoozed.details["logs"][0]["metadata"]["workflow_id"] == run_id
+    (step,) = durable.list_steps(run_id)
+    assert [r["body"] for r in step.logs] == ["quota back"]
