@@ -311,9 +311,9 @@ class Engine:
     ) -> str:
         """Record one compensation attempt; go on to the one before, retry, or end the run."""
         if outcome.stopped is not None:
-            return self._stopped(workflow, step, row, outcome.stopped)
+            return self._stopped(workflow, step, row, outcome.stopped, outcome.logs)
         if outcome.snoozed is not None:
-            return self._snooze(workflow, step, row, outcome.snoozed)
+            return self._snooze(workflow, step, row, outcome.snoozed, outcome.logs)
         step_row = {
             "step_index": step.index,
             "phase": "compensate",

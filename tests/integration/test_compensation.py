@@ -147,3 +147,34 @@ def test_compensate_must_be_callable():
     with pytest.raises(InvalidDefinition):
         wf.step(lambda: None, name="b", compensate_retry=0)
     assert wf.steps == []
+
+
+def test_a_compensation_can_snooze_without_using_an_attempt(durable):
+    passes = []
+    wf = durable.workflow("rate_limited_refund")
+
+    def refund():
+        passes.append(current_run().attempt)
+        if len(passes) == 1:
+            current_run().snooze(0.1, "refund API rate limit")
+
+    @wf.step(compensate=refund)
+    def charge():
+        return "charged"
+
+    @wf.step
+    def ship():
+        raise RuntimeError("out of stock")
+
+    with worker(durable):
+        run = wait_for(durable, durable.start(wf))
+    assert run.status == "compensated"
+    assert len(passes) == 2 and passes[0] == passes[1]
+    (snoozed,) = durable.activity(kinds=["snoozed"], run_id=run.id)
+    assert snoozed.details["reason"] == "refund API rate limit"
+    rows = [(s.name, s.phase, s.status) for s in durable.list_steps(run.id)]
+    assert rows == [
+        ("charge", "step", "completed"),
+        ("ship", "step", "failed"),
+        ("charge", "compensate", "completed"),
+    ]
