@@ -11,6 +11,16 @@ from sqlalchemy.engine import make_url
 from durable_celery.store.db import normalize_url
 
 
+def run_id_sql(created: str) -> str:
+    """SQL for a run id like the library's (``durable_celery.app.new_run_id``: a version 7
+    UUID, time-ordered) made at ``created``, a SQL timestamp; for bulk-loaded runs."""
+    return (
+        f"CAST(lpad(to_hex(floor(extract(epoch FROM {created}) * 1000)::bigint), 12, '0')"
+        " || '7' || substr(md5(random()::text), 1, 3) || '8' || substr(md5(random()::text), 1, 15)"
+        " AS uuid)::text"
+    )
+
+
 def say(message: str) -> None:
     """Print a line at once (progress shows while a benchmark runs)."""
     click.echo(message)

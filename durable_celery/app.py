@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
@@ -44,6 +45,22 @@ STATUSES = UNFINISHED + FINISHED
 _live: weakref.WeakSet[Durable] = weakref.WeakSet()
 _shared: list[Workflow] = []
 
+
+
+def new_run_id() -> str:
+    """A new run id: a time-ordered UUID (RFC 9562 version 7) as text.
+
+    Ids that grow with time put new runs at the right edge of the primary key's index, where its
+    pages stay cached: starts and claims of recent runs do not slow down as history grows.
+    """
+    make = getattr(uuid, "uuid7", None)  # Python 3.14+
+    if make is not None:
+        return str(make())
+    millis = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")  # 80 bits; 74 are used
+    value = (millis & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | (rand >> 68) << 64 | 0b10 << 62
+    value |= rand & 0x3FFF_FFFF_FFFF_FFFF
+    return str(uuid.UUID(int=value))
 
 class Durable:
     """Durable, keyed workflows for one Celery app; see the README for a tour."""
@@ -201,7 +218,7 @@ class Durable:
 
     def _new_run(self, wf: Workflow, data: dict[str, Any], key: str | None) -> dict[str, Any]:
         run = {
-            "id": str(uuid.uuid4()),
+            "id": new_run_id(),
             "workflow": wf.name,
             "status": "pending",
             "step_name": wf.steps[0].name if wf.steps else None,
