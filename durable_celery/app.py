@@ -46,7 +46,6 @@ _live: weakref.WeakSet[Durable] = weakref.WeakSet()
 _shared: list[Workflow] = []
 
 
-
 def new_run_id() -> str:
     """A new run id: a time-ordered UUID (RFC 9562 version 7) as text.
 
@@ -61,6 +60,7 @@ def new_run_id() -> str:
     value = (millis & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | (rand >> 68) << 64 | 0b10 << 62
     value |= rand & 0x3FFF_FFFF_FFFF_FFFF
     return str(uuid.UUID(int=value))
+
 
 class Durable:
     """Durable, keyed workflows for one Celery app; see the README for a tour."""

@@ -19,7 +19,7 @@ from .errors import DurableError, RunStopped, StepTimeout
 from .heartbeat import ActiveStep, Heartbeater, stop_reason
 from .keys import settle_waiting_txn, wake_parent_txn
 from .queues import queue_of
-from .rollout import definition_changed
+from .rollout import definition_changed, known_elsewhere
 from .store import activity_rows, child_rows, event_rows, key_rows, queries
 from .store.db import Clock, utcnow
 from .waits import Parked, Snoozed
@@ -109,6 +109,8 @@ class Engine:
             attempt=row.attempt,
         )
         if row.step_name is not None and row.step_name != step.name:
+            if known_elsewhere(self.durable, row.workflow, row.step_name):  # a rolling deploy
+                return self._code_elsewhere(step, row)
             return self._definition_changed(workflow, step, row, ctx, started)
         # -- observability hook (instrument.py): the attempt's span and log capture --------------
         with instrument.observe_step(self.durable, workflow, ctx, row) as observed:
@@ -386,6 +388,18 @@ class Engine:
             return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         self._after_write(workflow, row, "failed", values)
         return "definition_changed"
+
+    def _code_elsewhere(self, step: Step, row: Any) -> str:
+        """The run's current step is not this build's but a live node has it: hand the run back
+        for that node, without using an attempt (rollout.py)."""
+        retry_in = self.durable.settings.missing_code_retry
+        with self.db.begin() as conn:
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, retry_in)
+            if done:
+                details = {"step": row.step_name, "retry_in": retry_in}
+                activity_rows.record_txn(self.db, conn, "code_missing", row.id, row.workflow, None, details)
+        log.warning("durable: no code for step %r here; run %s handed back", row.step_name, row.id)
+        return "deferred" if done else "dropped"
 
     def _hand_back_for_shutdown(
         self, workflow: Workflow, step: Step, row: Any, logs: list[dict[str, Any]] | None

@@ -34,6 +34,7 @@ class Node:
         self.name = getattr(worker, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
         self.queues = self._started_queues()
         self.cancelled: set[str] = set()
+        self._steps_written: dict[str, list[str]] | None = None
 
     def _started_queues(self) -> list[str]:
         if self.worker is None:
@@ -41,18 +42,28 @@ class Node:
         selected = self.durable.app.amqp.queues.consume_from
         return sorted(selected) if selected else [self.durable.app.conf.task_default_queue]
 
+    def steps(self) -> dict[str, list[str]]:
+        """The workflows and step names this node's code has."""
+        return {name: [step.name for step in wf.steps] for name, wf in sorted(self.durable.workflows.items())}
+
     def register(self) -> None:
         """Write this node's row afresh (at start)."""
+        self._steps_written = self.steps()
         with self.durable.db.begin() as conn:
-            node_rows.register_node_txn(self.durable.db, conn, self.name, self.queues, os.getpid())
+            node_rows.register_node_txn(
+                self.durable.db, conn, self.name, self.queues, os.getpid(), self._steps_written
+            )
 
     def beat(self) -> None:
         """Mark this node seen (re-registering if its row was forgotten); forget long-gone nodes."""
         db = self.durable.db
+        steps = self.steps()
+        changed = steps if steps != self._steps_written else None  # workflows defined late
         with db.begin() as conn:
-            if not node_rows.beat_node_txn(db, conn, self.name, self.consumed(), os.getpid()):
-                node_rows.register_node_txn(db, conn, self.name, self.consumed(), os.getpid())
+            if not node_rows.beat_node_txn(db, conn, self.name, self.consumed(), os.getpid(), changed):
+                node_rows.register_node_txn(db, conn, self.name, self.consumed(), os.getpid(), steps)
             node_rows.forget_nodes_txn(conn, utcnow() - FORGET_AFTER)
+        self._steps_written = steps
 
     def consumed(self) -> list[str]:
         """The queues this node consumes now (its start queues less those paused here)."""

@@ -2,9 +2,15 @@
 
 A worker that lacks the whole workflow (an older build) hands the run back: it is due again in
 ``missing_code_retry`` seconds (30 by default), and only the relay of a node that knows the workflow sends it
-then, so the run waits for a worker with the code until its timeout or a cancel. A worker that
-knows the workflow but not the step (renamed or removed) fails the run with
-``definition_changed`` (no compensation); ``retry`` resumes it once the step is back.
+then, so the run waits for a worker with the code until its timeout or a cancel.
+
+A worker that knows the workflow but not the run's current step asks the other nodes: every
+worker node writes the workflows and steps its code has on its row in ``durable_nodes``. When a
+live node (seen within ``stale_lock_timeout``, not draining) has the step, this worker is the
+older build of a rolling deploy (the step was added) or the newer one while old nodes still run
+(the step was renamed): it hands the run back the same way, for a node with the step. When no
+live node has it, the step was renamed or removed: the run fails with ``definition_changed``
+(no compensation), and ``retry`` resumes it once the step is back.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from celery import signals as celery_signals
 
 from . import signals
 from .keys import end_run_txn
-from .store import activity_rows, queries
+from .store import activity_rows, node_rows, queries
 
 if TYPE_CHECKING:
     from .app import Durable
@@ -42,16 +48,32 @@ def handle_unknown_step(durable: Durable, task_name: str, kwargs: dict[str, Any]
     if not task_name.startswith(PREFIX) or not isinstance(run_id, str) or not isinstance(index, int):
         return None
     workflow, _, step = task_name[len(PREFIX) :].rpartition(".")
-    if workflow in durable.workflows:
+    if workflow in durable.workflows and not known_elsewhere(durable, workflow, step):
         return "definition_changed" if fail_changed(durable, run_id, workflow, step, index) else None
+    return "deferred" if defer(durable, run_id, workflow, step, index) else None
+
+
+def known_elsewhere(durable: Durable, workflow: str, step: str) -> bool:
+    """Does a live worker node (seen within ``stale_lock_timeout``, not draining) have ``step``
+    of ``workflow`` in its code?"""
+    with durable.db.engine.connect() as conn:
+        rows = node_rows.live_node_steps(durable.db, conn, durable.settings.stale_lock_timeout)
+    return any(step in ((row.steps or {}).get(workflow) or ()) for row in rows)
+
+
+def defer(durable: Durable, run_id: str, workflow: str, step: str, index: int) -> bool:
+    """Hand an unclaimed run back for a node with its code: due again in
+    ``missing_code_retry`` seconds (activity ``code_missing``)."""
+    retry_in = durable.settings.missing_code_retry
     with durable.db.begin() as conn:
-        retry_in = durable.settings.missing_code_retry
         if not queries.defer_unclaimed_txn(durable.db, conn, run_id, index, retry_in):
-            return None
+            return False
         details = {"step": step, "retry_in": retry_in}
         activity_rows.record_txn(durable.db, conn, "code_missing", run_id, workflow, None, details)
-    log.warning("durable: no code for workflow %r here; run %s handed back", workflow, run_id)
-    return "deferred"
+    log.warning(
+        "durable: no code for step %r of workflow %r here; run %s handed back", step, workflow, run_id
+    )
+    return True
 
 
 def fail_changed(durable: Durable, run_id: str, workflow: str, step: str, index: int) -> bool:

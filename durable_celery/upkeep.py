@@ -20,7 +20,7 @@ from . import prune, queues, signals
 from .keys import end_run_txn
 from .nodes import Node
 from .observe import ACTIVITY_KEPT
-from .rollout import fail_changed
+from .rollout import defer, fail_changed, known_elsewhere
 from .store import activity_rows, child_rows, node_rows, queries, queue_rows
 from .store.db import utcnow
 from .store.schema import runs
@@ -53,8 +53,12 @@ def relay_once(durable: Durable) -> int:
             )
         for row in rows:
             workflow = durable.workflows[row.workflow]
-            if not _has_step(workflow, row.step_index, row.step_name):  # renamed or removed
-                fail_changed(durable, row.id, row.workflow, row.step_name, row.step_index)
+            if not _has_step(workflow, row.step_index, row.step_name):
+                # newer code elsewhere (a rolling deploy), or the step was renamed or removed
+                if row.step_name is not None and known_elsewhere(durable, row.workflow, row.step_name):
+                    defer(durable, row.id, row.workflow, row.step_name, row.step_index)
+                else:
+                    fail_changed(durable, row.id, row.workflow, row.step_name, row.step_index)
             else:
                 compensate = row.status == "compensating"
                 sent += durable.publish(

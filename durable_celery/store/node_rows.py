@@ -12,10 +12,18 @@ from .db import Database
 from .schema import nodes
 
 
-def register_node_txn(db: Database, conn: Connection, name: str, queues: Sequence[str], pid: int) -> None:
+def register_node_txn(
+    db: Database,
+    conn: Connection,
+    name: str,
+    queues: Sequence[str],
+    pid: int,
+    steps: dict[str, list[str]] | None = None,
+) -> None:
     """Announce a node that just started (a restarted node of the same name starts afresh)."""
     values = {
         "queues": list(queues),
+        "steps": steps,
         "pid": pid,
         "draining": False,
         "started_at": db.now(),
@@ -29,10 +37,29 @@ def register_node_txn(db: Database, conn: Connection, name: str, queues: Sequenc
     conn.execute(query.on_conflict_do_update(index_elements=[nodes.c.name], set_=values))
 
 
-def beat_node_txn(db: Database, conn: Connection, name: str, queues: Sequence[str], pid: int) -> bool:
-    """Mark a node seen now, with the queues it consumes; False if it is not registered."""
-    query = update(nodes).where(nodes.c.name == name).values(queues=list(queues), pid=pid, seen_at=db.now())
+def beat_node_txn(
+    db: Database,
+    conn: Connection,
+    name: str,
+    queues: Sequence[str],
+    pid: int,
+    steps: dict[str, list[str]] | None = None,
+) -> bool:
+    """Mark a node seen now, with the queues it consumes and (when given) the steps its code
+    has; False if it is not registered."""
+    values: dict[str, Any] = {"queues": list(queues), "pid": pid, "seen_at": db.now()}
+    if steps is not None:
+        values["steps"] = steps
+    query = update(nodes).where(nodes.c.name == name).values(**values)
     return bool(conn.execute(query).rowcount == 1)
+
+
+def live_node_steps(db: Database, conn: Connection, seen_within: float) -> Sequence[Any]:
+    """The steps of nodes seen within ``seen_within`` seconds and not draining."""
+    query = select(nodes.c.name, nodes.c.steps).where(
+        nodes.c.seen_at >= db.later(-seen_within), nodes.c.draining.is_(False)
+    )
+    return conn.execute(query).all()
 
 
 def mark_draining(conn: Connection, node: str) -> bool:

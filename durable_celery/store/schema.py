@@ -238,6 +238,8 @@ nodes = Table(
     Column("draining", Boolean, nullable=False, server_default=text("false")),
     Column("started_at", Timestamp, nullable=False),
     Column("seen_at", Timestamp, nullable=False),
+    # The node's code: {workflow: [step names]} (rolling deploys: is a step known elsewhere?).
+    Column("steps", Json),
 )
 
 # Queues an operator paused; a paused queue's steps are handed back until it is resumed.

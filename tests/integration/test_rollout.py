@@ -3,6 +3,8 @@ run with definition_changed, and retry resumes it once the step is back."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from durable_celery.testing import wait_for, worker
@@ -63,6 +65,33 @@ def test_a_renamed_step_fails_the_run_with_definition_changed_and_retry_resumes_
         assert before.retry(run_id) == run_id
         run = wait_for(before, run_id)
     assert run.status == "completed" and run.output == "charged"
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_an_older_worker_hands_back_a_step_only_newer_workers_have(make_durable):
+    # A rolling deploy added step "second": a run a new worker moved on reaches an old worker.
+    old = make_durable("old_build", missing_code_retry=0.3)
+    new = make_durable("new_build", missing_code_retry=0.3)
+    old.workflow("deploy").step(lambda: "first", name="first")
+    deploy = new.workflow("deploy")
+    deploy.step(lambda: "first", name="first")
+    deploy.step(lambda: "second", name="second")
+    run_id = new.start(deploy)
+    assert new.run_message("deploy", 0, run_id) == "running"  # step "first", on a new worker
+    tag = uuid.uuid4().hex[:6]
+    # A live new node (on a queue of its own here, so only the old worker gets the run).
+    with worker(new, queues=[f"elsewhere-{tag}"], hostname=f"new-{tag}@test"):
+        _until(lambda: any(n["name"] == f"new-{tag}@test" for n in new.list_nodes()))
+        with worker(old, hostname=f"old-{tag}@test"):
+            _until(lambda: len(old.activity(kinds=["code_missing"], run_id=run_id)) >= 2)
+            run = old.get_run(run_id)
+            assert run.status == "running" and run.error is None  # handed back, not failed
+    missing = old.activity(kinds=["code_missing"], run_id=run_id)
+    assert {m.details["step"] for m in missing} == {"second"}
+    with worker(new, queues=[new.app.conf.task_default_queue]):
+        run = wait_for(new, run_id)
+    assert run.status == "completed" and run.output == "second"
+    assert [(s.name, s.attempt) for s in new.list_steps(run_id)] == [("first", 1), ("second", 1)]
 
 
 def _until(condition, seconds: float = 30.0):
