@@ -3,7 +3,9 @@
 Findings (``Finding.kind``):
 
 * ``waiting_unwakeable``: a waiting run with no timer and nothing to wait for (no event name,
-  or a sleep without an end). Nothing will ever make it due; cancel or retry it.
+  or a sleep without an end). Nothing will ever make it due; cancel or retry it. A
+  ``run_again`` run waiting behind its key's holder is not one while the holder is unfinished
+  (the holder's end makes it due); it is once the holder finished and it was never made due.
 * ``missed_wakeup``: a waiting run whose event is kept for it but which was never made due.
   ``--fix`` makes it due now.
 * ``stale_lock``: a run locked by a worker silent for longer than ``stale_lock_timeout``.

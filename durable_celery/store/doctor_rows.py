@@ -33,8 +33,22 @@ def _woken_by_now() -> Any:
     return or_(_kept_event(), and_(runs.c.wait_name == CHILDREN_WAIT, ~unfinished_child))
 
 
+def _behind_unfinished_holder() -> Any:
+    """The run is a ``run_again`` run waiting behind its key's holder, which has not finished:
+    the holder's end hands it the key and makes it due (keys.settle_waiting_txn)."""
+    holder = runs.alias("holder")
+    return (
+        select(holder.c.id)
+        .where(holder.c.id == runs.c.runs_after_id, holder.c.status.in_(UNFINISHED))
+        .exists()
+    )
+
+
 def unwakeable_waiting(conn: Connection, limit: int) -> Sequence[Any]:
-    """Waiting runs with no timer and nothing to wait for: no event name, or a sleep without end."""
+    """Waiting runs with no timer and nothing to wait for: no event name, or a sleep without end.
+
+    A ``run_again`` run waiting behind an unfinished holder is not one: the holder wakes it.
+    """
     query = (
         select(*_RUN_COLUMNS, runs.c.wait_name)
         .where(
@@ -43,6 +57,7 @@ def unwakeable_waiting(conn: Connection, limit: int) -> Sequence[Any]:
             runs.c.due_at.is_(None),
             runs.c.wait_until.is_(None),
             or_(runs.c.wait_name.is_(None), runs.c.wait_name.startswith(SLEEP_PREFIX, autoescape=True)),
+            ~_behind_unfinished_holder(),
         )
         .order_by(runs.c.created_at)
         .limit(limit)

@@ -11,8 +11,10 @@ from sqlalchemy import Connection, and_, case, delete, exists, func, insert, lit
 from .db import Database
 from .schema import UNFINISHED, queue_samples, queues, runs
 
-# Statuses a worker may claim once due (the same as the claim's).
-_CLAIMABLE = ("pending", "running", "waiting")
+# Statuses of a run that is ready once due and unlocked: a worker may claim it for a step
+# (queries.CLAIMABLE) or for its next compensation (status compensating), and the relay sends
+# both (queries.RELAYED). Spelled out here because queries imports this module.
+_READY_STATUSES = ("pending", "running", "waiting", "compensating")
 # Any fixed number: the transaction-scoped advisory lock that lets one node write a sample.
 _SAMPLE_LOCK = 7_340_001
 
@@ -42,7 +44,8 @@ def paused_queues(conn: Connection) -> set[str]:
 
 
 def rearm_ready_txn(db: Database, conn: Connection, name: str) -> int:
-    """Flag the ready runs of queue ``name`` for the relay, which sends them at its next pass.
+    """Flag the ready runs of queue ``name`` (a step or a compensation to run) for the relay,
+    which sends them at its next pass.
 
     Used on resume: their messages were dropped (or skipped by the relay) while it was paused.
     """
@@ -52,7 +55,7 @@ def rearm_ready_txn(db: Database, conn: Connection, name: str) -> int:
             runs.c.queue == name,
             runs.c.due_at <= db.now(),
             runs.c.locked_by.is_(None),
-            runs.c.status.in_(_CLAIMABLE),
+            runs.c.status.in_(_READY_STATUSES),
         )
         .values(published=False)
     )
@@ -60,9 +63,10 @@ def rearm_ready_txn(db: Database, conn: Connection, name: str) -> int:
 
 
 def count_by_queue(db: Database, conn: Connection) -> Sequence[Any]:
-    """Per queue of unfinished runs: ready, running, waiting and the oldest ready time."""
+    """Per queue of unfinished runs: ready (due and unlocked, for a step or a compensation),
+    running, waiting and the oldest ready time."""
     now = db.now()
-    ready = and_(runs.c.locked_by.is_(None), runs.c.due_at <= now, runs.c.status.in_(_CLAIMABLE))
+    ready = and_(runs.c.locked_by.is_(None), runs.c.due_at <= now, runs.c.status.in_(_READY_STATUSES))
     running = runs.c.locked_by.is_not(None)
     query = (
         select(

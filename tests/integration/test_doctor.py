@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -211,3 +212,54 @@ def current_run_wait(name):
     from durable_celery import current_run
 
     return current_run().wait_for_event(name)
+
+
+def define_run_again(durable, entered, release):
+    """A keyed workflow that runs again behind its holder; ``v == 1`` blocks until released."""
+    wf = durable.workflow("rebuild", on_duplicate="run_again")
+
+    @wf.step
+    def rebuild(v):
+        if v == 1:
+            entered.set()
+            release.wait(30)
+        return v
+
+    return wf
+
+
+def test_doctor_leaves_a_run_again_run_waiting_behind_its_holder(durable):
+    entered, release = threading.Event(), threading.Event()
+    wf = define_run_again(durable, entered, release)
+    with worker(durable):
+        try:
+            holder = durable.start(wf, {"v": 1}, key="idx")
+            assert entered.wait(20)
+            waiting = durable.start(wf, {"v": 2}, key="idx")
+            run = durable.get_run(waiting)
+            assert (run.status, run.runs_after_id) == ("waiting", holder)
+            assert durable.doctor() == []  # it waits for a holder that is still going
+        finally:
+            release.set()
+        assert wait_for(durable, holder).output == 1
+        assert wait_for(durable, waiting).output == 2
+    assert durable.doctor() == []
+
+
+def test_doctor_finds_a_run_again_run_whose_holder_ended_without_handing_it_the_key(durable):
+    wf = define_run_again(durable, threading.Event(), threading.Event())
+    holder = durable.start(wf, {"v": 1}, key="idx")
+    db = durable.db
+    with db.single() as conn:  # a worker claimed the holder
+        assert queries.claim_run(db, conn, holder, 0, "node:1") is not None
+    waiting = durable.start(wf, {"v": 2}, key="idx")
+    assert durable.get_run(waiting).runs_after_id == holder
+    assert durable.doctor() == []
+    with db.begin() as conn:  # the holder ended, but the hand-off to the waiting run was lost
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == holder)
+            .values(status="completed", locked_by=None, finished_at=utcnow())
+        )
+    (finding,) = durable.doctor()
+    assert (finding.kind, finding.run_id) == ("waiting_unwakeable", waiting)

@@ -304,3 +304,44 @@ def test_cli_queues_pause_resume_and_nodes(durable, tmp_path):
     assert line.split()[4] == "-"
     assert "node" in celery("nodes")
     assert durable.get_run(run_id).status == "pending"
+
+
+def test_a_ready_compensation_of_a_paused_queue_is_counted_ready_and_sent_again_on_resume(make_durable):
+    durable = make_durable()
+    queue = f"undo-{uuid.uuid4().hex[:6]}"
+    default = durable.app.conf.task_default_queue
+    wf = durable.workflow("charged")
+    entered, release, refunded = threading.Event(), threading.Event(), []
+
+    @wf.step(queue=queue, compensate=lambda: refunded.append(current_run().id))
+    def charge():
+        return "charged"
+
+    @wf.step
+    def ship():
+        entered.set()
+        release.wait(20)
+        raise RuntimeError("out of stock")
+
+    name = f"c-{queue}@test"
+    with worker(durable, queues=[default, queue], hostname=name):
+        try:
+            run_id = durable.start(wf)
+            assert entered.wait(20)
+            durable.pause_queue(queue)
+            until(lambda: node_queues(durable).get(name) == [default], what="the node stops consuming")
+        finally:
+            release.set()
+        wait_for(durable, run_id, statuses=("compensating",))
+        # The compensation is due and nobody holds it: ready, on the paused queue of its step.
+        until(lambda: durable.stats.queues()[queue]["ready"] == 1, what="the compensation ready")
+        stats = durable.stats.queues()[queue]
+        assert stats["waiting"] == 0 and stats["running"] == 0 and stats["oldest_ready_at"] is not None
+        # Its message is gone, as when a worker took it during the pause and dropped it.
+        with durable.app.connection_for_write() as conn:
+            conn.default_channel.queue_purge(queue)
+        assert durable.get_run(run_id).status == "compensating" and refunded == []
+        assert durable.resume_queue(queue) == 1
+        # Sent again at the relay's next pass, not after relay_after (30s here).
+        assert wait_for(durable, run_id, timeout=15).status == "compensated"
+    assert refunded == [run_id]
