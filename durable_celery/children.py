@@ -6,6 +6,9 @@ was lost) makes the same calls in the same order, finds the children it already 
 never starts second copies; a new attempt of a failed step starts fresh children. A parent
 that waits for children parks (worker freed) until one of them finishes and wakes it.
 
+With tracing on, a child is stamped as a top-level start is (``tracing.stamp_run``) while the
+parent step's span is current, so the child's trace is the parent's, under that step attempt.
+
 Children never inherit the parent's key. A keyed child is started with ``on_duplicate="error"``:
 a step cannot wait for a run that is not its own child.
 """
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError
 
+from . import tracing
 from .definition import Workflow, check_input
 from .errors import ChildFailed, InvalidArgument
 from .heartbeat import STOPS, stop_reason
@@ -142,7 +146,11 @@ def _insert_missing(
     decisions = []
     for ref, (wf, child) in prepared.items():
         if ref in found:
-            continue
+            continue  # a replay found it: it keeps the trace it was started with
+        if "trace_parent" not in child:  # not already stamped by a pass that rolled back
+            # Stamped here, not in _prepare, so a replay opens no start span for a run it
+            # does not start. The step's span is current: the child joins the parent's trace.
+            tracing.stamp_run(durable, wf, child)
         decision = decide_start_txn(durable, conn, wf, child, "error")
         if decision.error is not None:
             raise decision.error  # rolls back the children started with it

@@ -171,3 +171,90 @@ def test_without_opentelemetry_installed_everything_still_imports_and_runs(tmp_p
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_children_and_branches_are_in_the_parent_trace_under_the_step_that_started_them(
+    make_durable, exported
+):
+    provider, exporter = exported
+    durable = make_durable(tracer_provider=provider)
+    invoice = durable.workflow("invoice")
+
+    @invoice.step
+    def draft(order):
+        return None
+
+    @invoice.step
+    def issue(order):
+        return f"INV-{order}"
+
+    wf = durable.workflow("order")
+
+    @wf.step
+    def bill(order):  # parks for the child, then runs again from the top and finds it
+        current_run().context["invoice"] = current_run().call_workflow(invoice, {"order": order})
+
+    def charge(order):
+        return "charged"
+
+    def pack(order):
+        return "packed"
+
+    wf.parallel(charge, pack)
+
+    run_id = durable.start(wf, {"order": 3})
+    with worker(durable):
+        run = wait_for(durable, run_id)
+    assert run.status == "completed" and run.context["invoice"] == "INV-3"
+
+    spans = exporter.get_finished_spans()
+    (start,) = [s for s in spans if s.name == "durable.start order"]
+    trace_id = start.context.trace_id
+    assert {s.context.trace_id for s in spans} == {trace_id}  # one trace, children and all
+
+    def steps_of(some_run_id):
+        return [
+            s
+            for s in spans
+            if s.name.startswith("durable.step") and s.attributes["durable.run_id"] == some_run_id
+        ]
+
+    parent_steps = steps_of(run_id)
+    bills = [s for s in parent_steps if s.name == "durable.step order.bill"]
+    fan_outs = [s for s in parent_steps if s.name == "durable.step order.parallel_charge_pack"]
+    assert len(bills) + len(fan_outs) == len(parent_steps)
+    for passes in (bills, fan_outs):
+        # The first pass starts the children and parks; every later pass is a replay that
+        # finds them (and parks again while one is unfinished, e.g. the other branch).
+        outcomes = [s.attributes["durable.outcome"] for s in passes]
+        assert outcomes[0] == "parked" and outcomes[-1] == "completed" and len(outcomes) >= 2
+        assert set(outcomes[1:-1]) <= {"parked"}
+    # One start span per child: a replay that finds its children starts (and stamps) nothing.
+    assert sorted(s.name for s in spans if s.name.startswith("durable.start")) == [
+        "durable.start invoice",
+        "durable.start order",
+        "durable.start order.charge",
+        "durable.start order.pack",
+    ]
+    starter = {"invoice": bills[0], "order.charge": fan_outs[0], "order.pack": fan_outs[0]}
+    children = durable.list_children(run_id)
+    assert sorted(c.workflow for c in children) == ["invoice", "order.charge", "order.pack"]
+    for child in children:
+        # The child's start span is a child of the parent's step attempt span (the pass that
+        # started it, not the replay); the child's steps hang under that start span, as a
+        # top-level run's steps hang under its durable.start span.
+        (child_start,) = [
+            s
+            for s in spans
+            if s.name.startswith("durable.start") and s.attributes["durable.run_id"] == child.id
+        ]
+        assert child_start.name == f"durable.start {child.workflow}"
+        assert child_start.parent.span_id == starter[child.workflow].context.span_id
+        child_steps = steps_of(child.id)
+        assert len(child_steps) == (2 if child.workflow == "invoice" else 1)
+        assert {s.parent.span_id for s in child_steps} == {child_start.context.span_id}
+        with durable.db.engine.connect() as conn:
+            from durable_celery.store.observe_rows import trace_parent_of
+
+            stored = trace_parent_of(conn, child.id)
+        assert stored.startswith(f"00-{trace_id:032x}-{child_start.context.span_id:016x}-")
