@@ -32,7 +32,8 @@ RATIO_TARGET = 1.2
 LOAD_RUNS = f"""
 INSERT INTO durable_runs (id, workflow, status, input, context, output, queue, step_index,
                           created_at, started_at, finished_at, due_at, published)
-SELECT {run_id_sql('now() - make_interval(secs => g)')}, 'bench3', CAST(:status AS text), jsonb_build_object('n', g), '{{}}'::jsonb,
+SELECT {run_id_sql("now() - make_interval(secs => g)")},
+       'bench3', CAST(:status AS text), jsonb_build_object('n', g), '{{}}'::jsonb,
        CASE WHEN CAST(:status AS text) = 'completed' THEN '"ok"'::jsonb END, 'celery',
        CASE WHEN CAST(:status AS text) = 'completed' THEN 2 ELSE 0 END,
        now() - make_interval(secs => g), now() - make_interval(secs => g),

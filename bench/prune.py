@@ -27,10 +27,13 @@ from durable_celery import Durable
 
 TARGET_SECONDS = 4.0
 
+CREATED = "now() - make_interval(days => CAST(:days AS int), secs => 60)"
+
 LOAD_RUNS = f"""
 INSERT INTO durable_runs (id, workflow, status, input, context, output, queue, step_index,
                           created_at, started_at, finished_at, due_at, published, key)
-SELECT {run_id_sql('now() - make_interval(days => CAST(:days AS int), secs => 60)')}, 'bench3', CAST(:status AS text), jsonb_build_object('account', g),
+SELECT {run_id_sql(CREATED)},
+       'bench3', CAST(:status AS text), jsonb_build_object('account', g),
        jsonb_build_object('rows', g), '"ok"'::jsonb, 'celery',
        CASE WHEN CAST(:status AS text) = 'completed' THEN 2 ELSE 0 END,
        now() - make_interval(days => CAST(:days AS int), secs => 60),
