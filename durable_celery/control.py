@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 CANCELLABLE = ("pending", "running", "waiting")  # a compensating run finishes what it started
 
 
-def _run(conn: Connection, run_id: Any) -> Any:
-    row = queries.fetch_run(conn, run_id) if isinstance(run_id, str) else None
+def _run(conn: Connection, run_id: Any, lock: bool = False) -> Any:
+    row = queries.fetch_run(conn, run_id, lock) if isinstance(run_id, str) else None
     if row is None:
         raise RunNotFound(run_id)
     return row
@@ -153,7 +153,9 @@ def provide_input(durable: Durable, run_id: str, name: str, value: Any = None) -
 def _deliver(durable: Durable, run_id: str, name: str, payload: Any, buffer: bool) -> bool:
     db = durable.db
     with db.begin() as conn:
-        run = _run(conn, run_id)
+        # Locked: a step parking on this event at the same moment either parks first (and is
+        # woken here) or waits for this commit and then finds the event (event_rows.park_txn).
+        run = _run(conn, run_id, lock=True)
         if run.status in FINISHED:
             return False
         if buffer:

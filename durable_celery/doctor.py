@@ -134,15 +134,9 @@ def _when(value: Any) -> str | None:
 def repair(durable: Durable) -> dict[str, int]:
     """The safe repairs: wake missed wake-ups, sweep stale locks, cancel orphaned children,
     relay unsent runs."""
-    from .upkeep import cancel_orphans_once, relay_once, sweep_stale_once
+    from .upkeep import cancel_orphans_once, relay_once, sweep_stale_once, wake_missed_once
 
-    db = durable.db
-    with db.engine.connect() as conn:
-        missed = doctor_rows.missed_wakeups(conn, LIMIT)
-    woken = 0
-    for row in missed:
-        with db.begin() as conn:
-            woken += doctor_rows.wake_missed_txn(db, conn, row.id)
+    woken = wake_missed_once(durable)
     handed_back, failed = sweep_stale_once(durable)
     orphans = cancel_orphans_once(durable)
     sent = relay_once(durable)

@@ -21,7 +21,7 @@ from .keys import end_run_txn
 from .nodes import Node
 from .observe import ACTIVITY_KEPT
 from .rollout import defer, fail_changed, known_elsewhere
-from .store import activity_rows, child_rows, node_rows, queries, queue_rows
+from .store import activity_rows, child_rows, doctor_rows, node_rows, queries, queue_rows
 from .store.db import utcnow
 from .store.schema import runs
 
@@ -106,6 +106,22 @@ def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
         signals.stale_recovered.send(sender=durable, run_ids=handed_back, failed_ids=failed)
         relay_once(durable)
     return handed_back, failed
+
+
+def wake_missed_once(durable: Durable) -> int:
+    """Make due the waiting runs whose event is kept for them (or whose children all finished)
+    but that were never woken; returns how many. A safety net: the wake-up is normally sent in
+    the same transaction as the event."""
+    db = durable.db
+    with db.engine.connect() as conn:
+        missed = doctor_rows.missed_wakeups(conn, RELAY_BATCH)
+    woken = 0
+    for row in missed:
+        with db.begin() as conn:
+            woken += doctor_rows.wake_missed_txn(db, conn, row.id)
+    if woken:
+        log.warning("durable: woke %d waiting run(s) that missed their wake-up", woken)
+    return woken
 
 
 def cancel_orphans_once(durable: Durable) -> list[str]:
@@ -210,6 +226,7 @@ class Upkeep:
                 next_sweep = time.monotonic() + s.sweep_interval
                 self._guarded(sweep_stale_once)
                 self._guarded(cancel_orphans_once)
+                self._guarded(wake_missed_once)
             if time.monotonic() >= next_trim:
                 next_trim = time.monotonic() + TRIM_INTERVAL
                 self._guarded(trim_activity_once)

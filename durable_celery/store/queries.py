@@ -48,9 +48,10 @@ def insert_run_txn(db: Database, conn: Connection, values: dict[str, Any]) -> No
     conn.execute(stmt, params)
 
 
-def fetch_run(conn: Connection, run_id: str) -> Row[Any] | None:
-    """One run row by id, or None."""
-    return conn.execute(select(runs, _HOLDS_KEY).where(runs.c.id == run_id)).first()
+def fetch_run(conn: Connection, run_id: str, lock: bool = False) -> Row[Any] | None:
+    """One run row by id, or None; with ``lock``, the row stays locked until the transaction ends."""
+    query = select(runs, _HOLDS_KEY).where(runs.c.id == run_id)
+    return conn.execute(query.with_for_update(of=runs) if lock else query).first()
 
 
 def fetch_runs(

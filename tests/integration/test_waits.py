@@ -259,3 +259,42 @@ def _wait_until(condition, seconds: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_events_sent_while_runs_park_are_never_lost(make_durable):
+    # Upkeep's missed-wake-up repair is pushed out of reach: every run must be woken by its
+    # event's own transaction, however the send and the park interleave.
+    durable = make_durable(sweep_interval=3600.0, stale_lock_timeout=3600.0)
+    wf = durable.workflow("racing_event")
+
+    @wf.step
+    def wait():
+        return current_run().wait_for_event("go", timeout=60)
+
+    with worker(durable, concurrency=4):
+        run_ids = [durable.start(wf) for _ in range(40)]
+        for run_id in run_ids:  # sent as each run reaches its wait, racing the park
+            _wait_until(lambda run_id=run_id: durable.get_run(run_id).status in ("running", "waiting"))
+            assert durable.send_event(run_id, "go", run_id, buffer=True) is True
+        runs = [wait_for(durable, run_id, timeout=20) for run_id in run_ids]
+    assert [r.output for r in runs] == run_ids
+
+
+def test_upkeep_wakes_a_run_whose_event_is_kept_but_that_was_never_woken(make_durable):
+    from durable_celery.store import event_rows
+
+    durable = make_durable(sweep_interval=0.3)
+    wf = durable.workflow("lost_wakeup")
+
+    @wf.step
+    def wait():
+        return current_run().wait_for_event("go")
+
+    with worker(durable):
+        run_id = durable.start(wf)
+        wait_for(durable, run_id, statuses=("waiting",))
+        # The state a lost wake-up leaves: the event kept, the run still waiting and not due.
+        with durable.db.begin() as conn:
+            event_rows.insert_event_txn(durable.db, conn, run_id, "go", "late")
+        run = wait_for(durable, run_id)
+    assert run.status == "completed" and run.output == "late"
