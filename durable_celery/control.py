@@ -84,6 +84,8 @@ def retry(durable: Durable, run_id: str) -> str:
                 finished_at=None,
                 due_at=db.now(),
                 published=True,
+                wait_name=None,  # the step starts afresh: no wait of the failed attempt is resumed
+                wait_until=None,
             )
         )
     durable.publish(workflow, run.step_index, run_id, run.attempt + 1, run.key)

@@ -90,9 +90,11 @@ def _wait(run: RunContext, name: str, timeout: float | None, timeout_value: Any)
     with db.begin() as conn:
         got = event_rows.receive_event_txn(conn, run.id, name)
         if got is None and run._resumed_wait == name:
-            # Resumed with nothing kept: only the timeout makes a waiting run due.
-            event_rows.record_timeout_txn(db, conn, run.id, name)
-            return _timed_out(name, timeout_value)
+            left = event_rows.wait_left_txn(db, conn, run.id)
+            if left is not None and left <= 0:  # resumed by its timeout
+                event_rows.record_timeout_txn(db, conn, run.id, name)
+                return _timed_out(name, timeout_value)
+            timeout = left  # resumed early with nothing kept: wait on, until the same deadline
     if got is None:
         raise Parked(name, timeout)
     if got.timed_out:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, func, insert, select, update
 
-from .db import Database
+from .db import Database, utcnow
 from .schema import events, runs
 
 
@@ -94,3 +94,20 @@ def park_txn(
     if has_event_txn(conn, run_id, name):
         conn.execute(update(runs).where(runs.c.id == run_id).values(due_at=db.now()))
     return True
+
+
+def wait_left_txn(db: Database, conn: Connection, run_id: str) -> float | None:
+    """Seconds before the run's current wait times out (0 or less: it has), on the database's
+    clock; None when the wait has no timeout."""
+    if db.is_postgres:
+        query = select(func.extract("epoch", runs.c.wait_until - func.now())).where(runs.c.id == run_id)
+        left = conn.execute(query).scalar()
+        return None if left is None else float(left)
+    until = conn.execute(select(runs.c.wait_until).where(runs.c.id == run_id)).scalar()
+    if until is None:
+        return None
+    if until.tzinfo is None:  # SQLite hands back naive UTC
+        from datetime import timezone
+
+        until = until.replace(tzinfo=timezone.utc)
+    return float((until - utcnow()).total_seconds())

@@ -298,3 +298,51 @@ def test_upkeep_wakes_a_run_whose_event_is_kept_but_that_was_never_woken(make_du
             event_rows.insert_event_txn(durable.db, conn, run_id, "go", "late")
         run = wait_for(durable, run_id)
     assert run.status == "completed" and run.output == "late"
+
+
+def test_a_run_failed_while_waiting_waits_afresh_when_retried(durable):
+    wf = durable.workflow("approval_deadline", timeout=2.0)
+
+    @wf.step
+    def approve():
+        return current_run().wait_for_input("approve")
+
+    with worker(durable):
+        run_id = durable.start(wf)
+        run = wait_for(durable, run_id, timeout=20)
+        assert run.status == "failed" and run.error["type"] == "WorkflowTimeout"
+        assert durable.retry(run_id) == run_id
+        wait_for(durable, run_id, statuses=("waiting",))  # waiting again, not timed out at once
+        durable.provide_input(run_id, "approve", "yes")
+        run = wait_for(durable, run_id)
+    assert run.status == "completed" and run.output == "yes"
+
+
+def test_a_sleep_woken_early_sleeps_on_until_its_end(durable):
+    import time
+
+    from sqlalchemy import update
+
+    from durable_celery.store.schema import runs
+
+    wf = durable.workflow("early_wake")
+    passes = []
+
+    @wf.step
+    def nap():
+        passes.append(time.monotonic())
+        current_run().sleep(2.0)
+        return "rested"
+
+    with worker(durable):
+        run_id = durable.start(wf)
+        wait_for(durable, run_id, statuses=("waiting",))
+        started = time.monotonic()
+        # Made due early (as a stray hand-back of a rolling deploy can): the sleep is not over.
+        with durable.db.begin() as conn:
+            conn.execute(update(runs).where(runs.c.id == run_id).values(due_at=durable.db.now()))
+        _wait_until(lambda: len(passes) == 2)
+        assert durable.get_run(run_id).status in ("running", "waiting")
+        run = wait_for(durable, run_id)
+    assert run.status == "completed" and run.output == "rested"
+    assert time.monotonic() - started >= 1.0  # it slept on; it did not end at the early wake
