@@ -5,18 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, String, any_, bindparam, delete, exists, func, select
+from sqlalchemy import Connection, String, any_, bindparam, delete, exists, func, or_, select
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from .db import Database
-from .schema import FINISHED, events, keys, runs, steps
+from .schema import FINISHED, UNFINISHED, events, keys, runs, steps
 
 
 def _old_finished(db: Database, statuses: Sequence[str], older_than: float) -> Any:
     # Only finished statuses ever reach here (the caller checks), and finished_at < cutoff
     # implies finished_at IS NOT NULL, so PostgreSQL uses the partial ix_durable_runs_finished.
     assert set(statuses) <= set(FINISHED), statuses
-    return (runs.c.status.in_(list(statuses)), runs.c.finished_at < db.later(-older_than))
+    # A child whose parent is still going stays: the parent's step finds it again on replay.
+    parent = runs.alias("parent")
+    live_parent = exists().where(parent.c.id == runs.c.parent_id, parent.c.status.in_(UNFINISHED))
+    return (
+        runs.c.status.in_(list(statuses)),
+        runs.c.finished_at < db.later(-older_than),
+        or_(runs.c.parent_id.is_(None), ~live_parent),
+    )
 
 
 def delete_finished_batch_txn(

@@ -363,3 +363,40 @@ def test_prune_is_off_by_default_and_rules_come_from_app_conf(make_durable):
         assert configured.settings.prune == {"failed": timedelta(days=30)}
     finally:
         configured.db.dispose()
+
+
+def test_a_finished_child_of_a_parent_still_going_is_kept(make_durable):
+    durable = make_durable(prune={"completed": WEEK})
+    child = durable.workflow("pruned_child")
+    child.step(lambda: "done", name="only")
+    parent = durable.workflow("long_parent")
+
+    @parent.step
+    def call_then_nap():
+        current_run().call_workflow(child)  # found again on every replay of this step
+        current_run().sleep(3600)
+
+    parent_id = durable.start(parent)
+    with worker(durable):
+        wait_for(durable, parent_id, statuses=("waiting",))
+        _until(lambda: [k.status for k in durable.list_children(parent_id)] == ["completed"])
+        wait_for(durable, parent_id, statuses=("waiting",))
+    (kid,) = durable.list_children(parent_id)
+    backdate(durable, [kid.id], 1000)
+    assert durable.prune()["completed"] == 0
+    assert durable.cleanup("1s", ["completed"])["runs"] == 0
+    assert existing(durable, [kid.id]) == {kid.id}
+    with durable.db.begin() as conn:  # once the parent has finished, the child goes as usual
+        conn.execute(update(runs).where(runs.c.id == parent_id).values(status="cancelled"))
+    backdate(durable, [parent_id], 1000, status="cancelled")
+    assert durable.prune()["completed"] == 1
+    assert existing(durable, [kid.id]) == set()
+
+
+def _until(condition, seconds: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
