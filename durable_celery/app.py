@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import uuid
 import weakref
@@ -351,12 +352,16 @@ class Durable:
         control.release_key(self, run_id, by)
 
     def drain(self) -> None:
-        """Shut this worker down gracefully (e.g. from a preStop hook): stop taking work, give
+        """Shut the worker this code runs in down gracefully (from a step, or a handler of your own):
         running steps ``shutdown_grace_period`` seconds, then hand the rest back."""
         from celery.worker import state
 
         self.engine.drain(self.settings.shutdown_grace_period)
-        state.should_stop = 0  # the worker's loop starts its warm shutdown
+        main = self.engine.worker_pid
+        if main and main != os.getpid():  # a prefork pool process: tell its worker, the parent
+            os.kill(main, signal.SIGTERM)  # Celery's warm shutdown
+        else:
+            state.should_stop = 0  # the worker's loop starts its warm shutdown
 
     def list_children(self, run_id: str, limit: int = 1000) -> list[Run]:
         """The child workflows and parallel branches a run started, oldest first."""

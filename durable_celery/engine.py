@@ -66,6 +66,7 @@ class Engine:
         self.fenced_count = 0
         # When the grace period of a shutdown ends (0: not shutting down), in shared memory.
         self._drain_at = multiprocessing.RawValue("d", 0.0)
+        self.worker_pid = 0  # the Celery worker process this engine runs in, once it starts (upkeep.py)
 
     # -- messages -------------------------------------------------------------------------
 

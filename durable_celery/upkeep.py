@@ -9,6 +9,7 @@ overdue, and one node at a time writes a queue sample.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -267,6 +268,7 @@ def install(durable: Durable) -> None:
         requires = ("celery.worker.components:Pool",)
 
         def create(self, worker: Any) -> Upkeep:
+            durable.engine.worker_pid = os.getpid()  # before the pool forks: drain() from a child
             return Upkeep(durable, worker)
 
         def start(self, worker: Any) -> None:

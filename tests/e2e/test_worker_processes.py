@@ -164,8 +164,9 @@ def test_a_step_that_sees_shutting_down_snoozes_and_continues_elsewhere(client, 
 
 
 @pytest.mark.timeout(120)
-def test_drain_from_code_shuts_the_worker_down_and_hands_the_step_back(client, start_worker, proc_env):
-    first = start_worker("first", GRACE="1")
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_drain_from_code_shuts_the_worker_down_and_hands_the_step_back(client, start_worker, proc_env, pool):
+    first = start_worker("first", pool, GRACE="1")
     run_id = client.start("job", {"mode": "drain"})
     assert first.wait(40) == 0  # no signal sent: drain() alone stopped it
     assert len(client.activity(kinds=["handed_back"], run_id=run_id)) == 1
