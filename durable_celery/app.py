@@ -352,8 +352,8 @@ class Durable:
         control.release_key(self, run_id, by)
 
     def drain(self) -> None:
-        """Shut the worker this code runs in down gracefully (from a step, or a handler of your own):
-        running steps ``shutdown_grace_period`` seconds, then hand the rest back."""
+        """Shut down the worker this code runs in, gracefully: stop taking work, give running
+        steps ``shutdown_grace_period`` seconds, then hand the rest back."""
         from celery.worker import state
 
         self.engine.drain(self.settings.shutdown_grace_period)
