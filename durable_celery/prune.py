@@ -102,10 +102,16 @@ def check_statuses(statuses: Iterable[str] | str | None) -> tuple[str, ...]:
 
 
 def _delete_batches(
-    durable: Durable, statuses: tuple[str, ...], age: timedelta, label: str, progress: Progress | None
-) -> int:
-    """Delete in batches of BATCH until a batch comes back short; one activity entry per batch."""
-    db, total = durable.db, 0
+    durable: Durable,
+    statuses: tuple[str, ...],
+    age: timedelta,
+    label: str,
+    progress: Progress | None,
+    max_batches: int | None = None,
+) -> tuple[int, bool]:
+    """Delete in batches of BATCH until a batch comes back short (or ``max_batches`` ran); one
+    activity entry per batch. Returns the runs deleted and whether more may be left."""
+    db, total, batches = durable.db, 0, 0
     while True:
         with db.begin() as conn:
             n, picked = prune_rows.delete_finished_batch_txn(db, conn, statuses, age.total_seconds(), BATCH)
@@ -121,18 +127,36 @@ def _delete_batches(
         if progress is not None and n:
             progress(f"{label}: deleted {total} run(s) so far")
         if picked < BATCH or n == 0:  # the rest is younger, or busy until a later pass
-            return total
+            return total, False
+        batches += 1
+        if max_batches is not None and batches >= max_batches:
+            return total, True
 
 
 def prune(durable: Durable, progress: Progress | None = None) -> dict[str, int]:
     """Run the configured ``prune=`` rules now; returns runs deleted per rule ({} when off)."""
+    counts, _ = _prune(durable, progress, None)
+    return counts
+
+
+def prune_some(durable: Durable) -> bool:
+    """One batch per ``prune=`` rule, as the workers' upkeep runs it between its other passes;
+    True while more may be left (upkeep then comes back at its next pass, not in an hour)."""
+    _, more = _prune(durable, None, 1)
+    return more
+
+
+def _prune(
+    durable: Durable, progress: Progress | None, max_batches: int | None
+) -> tuple[dict[str, int], bool]:
     rules = durable.settings.prune or {}
-    counts = {}
+    counts, more = {}, False
     for name, age in rules.items():
-        counts[name] = _delete_batches(durable, RULES[name], age, name, progress)
+        counts[name], left = _delete_batches(durable, RULES[name], age, name, progress, max_batches)
+        more = more or left
     if any(counts.values()):
         log.info("durable: pruned %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
-    return counts
+    return counts, more
 
 
 def cleanup(
@@ -160,5 +184,5 @@ def cleanup(
         )
     if dry_run:
         return found
-    deleted = _delete_batches(durable, chosen, age, "cleanup", progress)
+    deleted, _ = _delete_batches(durable, chosen, age, "cleanup", progress)
     return {**found, "runs": deleted}

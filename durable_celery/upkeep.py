@@ -218,8 +218,10 @@ class Upkeep:
                 next_beat = now + max(s.heartbeat_interval, 1.0)
                 self._guarded(self._beat_node)
             if s.prune and now >= next_prune:
-                next_prune = now + s.prune_interval
-                self._guarded(prune.prune)
+                # A batch per rule per pass, so a large backlog never holds up the relay and
+                # the sweeps: the next pass goes on with it while more is left.
+                more = self._guarded(prune.prune_some)
+                next_prune = now if more else now + s.prune_interval
             if now >= next_sample:
                 next_sample = now + SAMPLE_INTERVAL
                 self._guarded(sample_queues_once)
@@ -250,11 +252,12 @@ class Upkeep:
         if self.node is not None:
             self.node.reconcile(queues.paused_queues(durable))
 
-    def _guarded(self, job: Any) -> None:
+    def _guarded(self, job: Any) -> Any:
         try:
-            job(self.durable)
+            return job(self.durable)
         except Exception:  # the database may be restarting; the next pass tries again
             log.exception("durable upkeep: %s failed", job.__name__)
+            return None
 
 
 def install(durable: Durable) -> None:

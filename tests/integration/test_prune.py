@@ -400,3 +400,18 @@ def _until(condition, seconds: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_upkeep_prunes_a_batch_per_rule_per_pass_until_none_is_left(make_durable, monkeypatch):
+    monkeypatch.setattr(prune_module, "BATCH", 3)
+    durable = make_durable(prune={"cancelled": timedelta(hours=1), "completed": timedelta(hours=1)})
+    wf = define(durable)
+    ids = [durable.start(wf) for _ in range(7)]
+    for run_id in ids:
+        durable.cancel(run_id)
+    backdate(durable, ids, 1)
+    left = []
+    while prune_module.prune_some(durable):  # what each upkeep pass runs
+        left.append(len(existing(durable, ids)))
+    assert left == [4, 1] and existing(durable, ids) == set()
+    assert prune_module.prune_some(durable) is False  # nothing left: back to prune_interval
