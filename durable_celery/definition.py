@@ -25,8 +25,12 @@ class SendEvent:
     name: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise InvalidDefinition("SendEvent needs a non-empty event name")
+        name = self.name
+        if not isinstance(name, str) or not name or len(name) > 150 or name.startswith("durable:"):
+            raise InvalidDefinition(
+                "SendEvent needs an event name of 1 to 150 characters not starting with"
+                f" 'durable:', not {name!r}"
+            )
 
 
 def check_on_duplicate(value: Any) -> str | SendEvent:

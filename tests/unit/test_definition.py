@@ -97,8 +97,10 @@ def test_bad_steps_are_refused(durable):
 
 def test_send_event_and_on_duplicate_values(durable):
     assert durable.workflow("e", on_duplicate=SendEvent("updated")).on_duplicate == SendEvent("updated")
-    with pytest.raises(InvalidDefinition):
-        SendEvent("")
+    for bad in ("", "x" * 151, "durable:input:approve", None):
+        with pytest.raises(InvalidDefinition):
+            SendEvent(bad)
+    assert SendEvent("x" * 150).name == "x" * 150
 
 
 @pytest.mark.parametrize("key", ["k", "x" * 255, "é" * 127, "日本" * 42, "🙂" * 63])
