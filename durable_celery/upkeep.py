@@ -125,6 +125,19 @@ def wake_missed_once(durable: Durable) -> int:
     return woken
 
 
+def check_schema(durable: Durable) -> list[str]:
+    """Log an error when the database is behind this code's schema; returns the pending
+    revisions. Migrate before starting workers of new code."""
+    pending = durable.pending_migrations()
+    if pending:
+        log.error(
+            "durable: the database schema is behind this code (pending revisions: %s); "
+            "run `celery -A <app> durable migrate` before starting these workers",
+            ", ".join(pending),
+        )
+    return pending
+
+
 def cancel_orphans_once(durable: Durable) -> list[str]:
     """Cancel unfinished children of cancelled parents (a cancel whose process died before it
     reached every child); returns their ids."""
@@ -208,6 +221,7 @@ class Upkeep:
         s = self.durable.settings
         next_sweep = time.monotonic() + min(s.sweep_interval, s.stale_lock_timeout)
         next_trim = next_prune = next_sample = next_beat = time.monotonic()
+        self._guarded(check_schema)
         self._guarded(self._register_node)
         while not self._stop.wait(s.poll_interval):
             self._guarded(self._reconcile_queues)

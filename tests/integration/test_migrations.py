@@ -85,3 +85,20 @@ def test_cli_migrate_check_fails_when_behind_and_passes_after_migrate(empty_url,
     assert celery("--help").returncode == 0
     listing = celery("runs")
     assert listing.returncode == 0 and listing.stdout.startswith("id")
+
+
+def test_a_worker_on_a_schema_behind_its_code_says_so(empty_url, caplog):
+    from alembic import command
+
+    from durable_celery.store.migrate import alembic_config
+    from durable_celery.upkeep import check_schema
+
+    durable = Durable(Celery("behind", broker="memory://"), empty_url, upkeep=False)
+    command.upgrade(alembic_config(durable.db), "0002")  # the schema of the previous release
+    with caplog.at_level("ERROR", logger="durable_celery"):
+        assert check_schema(durable) == ["0003"]  # what each worker's upkeep runs as it starts
+    assert "pending revisions: 0003" in caplog.text and "durable migrate" in caplog.text
+    durable.migrate()
+    caplog.clear()
+    assert check_schema(durable) == [] and caplog.text == ""
+    durable.db.dispose()
