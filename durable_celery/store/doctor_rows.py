@@ -9,7 +9,7 @@ from sqlalchemy import Connection, and_, or_, select, update
 
 from .child_rows import CHILDREN_WAIT
 from .db import Database
-from .queries import CLAIMABLE
+from .queries import RELAYED
 from .schema import UNFINISHED, events, runs
 
 _RUN_COLUMNS = (runs.c.id, runs.c.workflow, runs.c.key, runs.c.status, runs.c.step_index)
@@ -135,7 +135,7 @@ def unsent_due_runs(
         .where(
             runs.c.due_at.is_not(None),
             runs.c.locked_by.is_(None),
-            runs.c.status.in_(CLAIMABLE),
+            runs.c.status.in_(RELAYED),
             or_(never_sent, lost),
         )
         .order_by(runs.c.due_at)

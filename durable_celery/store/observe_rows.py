@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, case, func, or_, select, update
 
 from .db import Database
-from .queries import CLAIMABLE
+from .queries import RELAYED
 from .schema import FINISHED, UNFINISHED, nodes, runs, schedules
 
 
@@ -22,7 +22,7 @@ def ready_by_workflow(db: Database, conn: Connection) -> Sequence[Any]:
     waiting_since = case((runs.c.started_at.is_(None), runs.c.created_at), else_=runs.c.due_at)
     query = (
         select(runs.c.workflow, func.count().label("ready"), func.min(waiting_since).label("oldest"))
-        .where(runs.c.due_at <= db.now(), runs.c.locked_by.is_(None), runs.c.status.in_(CLAIMABLE))
+        .where(runs.c.due_at <= db.now(), runs.c.locked_by.is_(None), runs.c.status.in_(RELAYED))
         .group_by(runs.c.workflow)
     )
     return conn.execute(query).all()

@@ -337,6 +337,7 @@ def test_a_ready_compensation_of_a_paused_queue_is_counted_ready_and_sent_again_
         until(lambda: durable.stats.queues()[queue]["ready"] == 1, what="the compensation ready")
         stats = durable.stats.queues()[queue]
         assert stats["waiting"] == 0 and stats["running"] == 0 and stats["oldest_ready_at"] is not None
+        assert durable.status_summary()["ready_by_workflow"].get(wf.name) == 1  # the backlog too
         # Its message is gone, as when a worker took it during the pause and dropped it.
         with durable.app.connection_for_write() as conn:
             conn.default_channel.queue_purge(queue)
