@@ -58,6 +58,13 @@ def cancel(durable: Durable, run_id: str) -> bool:
     return True
 
 
+def cancel_children(durable: Durable, run_id: str) -> int:
+    """Cancel the unfinished children of a run that was cancelled; returns how many."""
+    with durable.db.engine.connect() as conn:
+        children = child_rows.unfinished_children(conn, run_id)
+    return sum(cancel(durable, child_id) for child_id in children)
+
+
 def retry(durable: Durable, run_id: str) -> str:
     """Resume a failed run from its failed step, taking its key back if it lost it."""
     db = durable.db

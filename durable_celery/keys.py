@@ -43,13 +43,21 @@ class Decision:
     publish: list[Dispatch] = field(default_factory=list)
     error: DurableError | None = None
     notices: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
+    # Runs this start cancelled (cancel_existing): their unfinished children go next.
+    cancel_children: list[str] = field(default_factory=list)
 
     def after_commit(self, durable: Durable) -> None:
-        """Publish, send signals, then raise the refusal if there was one."""
+        """Publish, send signals, cancel replaced runs' children, then raise the refusal if
+        there was one."""
         for workflow, run_id, step_index, attempt, key in self.publish:
             durable.publish_named(workflow, run_id, step_index, attempt, key)
         for signal, kwargs in self.notices:
             signal.send(sender=durable, **kwargs)
+        if self.cancel_children:
+            from .control import cancel_children
+
+            for run_id in self.cancel_children:
+                cancel_children(durable, run_id)
         if self.error is not None:
             raise self.error
 
@@ -140,6 +148,7 @@ class KeyDecision:
                 "traceback": None,
             }
             queries.cancel_run_txn(self.db, self.conn, holder.holder_id, reason, UNFINISHED)
+            decision.cancel_children.append(holder.holder_id)
             wake_parent_txn(self.durable, self.conn, holder.holder_id, decision)
             if holder.waiting_id:
                 queries.cancel_run_txn(self.db, self.conn, holder.waiting_id, reason, UNFINISHED)

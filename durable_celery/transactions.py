@@ -57,6 +57,7 @@ def start_in_callers_transaction(
         if decision.publish:
             queries.mark_unsent(conn, [dispatch[1] for dispatch in decision.publish])
             decision.publish = []
+        decision.cancel_children = []  # the upkeep's orphan sweep does it once this commits
         decision.after_commit(durable)
     if error is not None:
         raise error

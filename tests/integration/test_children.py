@@ -372,3 +372,28 @@ def test_children_of_a_cancel_cut_short_are_found_and_cancelled(make_durable):
     with worker(durable):
         _until(lambda: [k.status for k in durable.list_children(run_id)] == ["cancelled", "cancelled"])
     assert [f for f in durable.doctor() if f.kind == "orphaned_child"] == []
+
+
+def test_a_parent_replaced_by_cancel_existing_takes_its_children_with_it(durable):
+    child = durable.workflow("replaced_child")
+
+    @child.step
+    def wait_forever():
+        current_run().wait_for_event("never")
+
+    parent = durable.workflow("replaced_parent", key="sync:{account}", on_duplicate="cancel_existing")
+
+    @parent.step
+    def spawn(account):
+        current_run().call_workflow(child)
+
+    with worker(durable):
+        first = durable.start(parent, {"account": 7})
+        _until(lambda: [k.status for k in durable.list_children(first)] == ["waiting"])
+        second = durable.start(parent, {"account": 7})
+        assert second != first and durable.get_run(first).status == "cancelled"
+        # At once, not at the upkeep's orphan sweep (sweep_interval is 60 s here).
+        assert [k.status for k in durable.list_children(first)] == ["cancelled"]
+        _until(lambda: [k.status for k in durable.list_children(second)] == ["waiting"])
+        assert durable.cancel(second) is True
+    assert [k.status for k in durable.list_children(second)] == ["cancelled"]

@@ -205,7 +205,8 @@ def test_send_event_reaches_a_waiting_run_and_only_buffered_events_are_kept(dura
         assert durable.send_event(run_id, "shipped", {"box": 1}) is False  # not waiting: dropped
         wait_for(durable, run_id, statuses=("waiting",))
         assert durable.send_event(run_id, "approved", {"by": "ann"}) is True
-        _wait_until(lambda: durable.get_run(run_id).status == "waiting" and len(before_wait) == 2)
+        # The second pass began (len first), then parked: the status is read after it began.
+        _wait_until(lambda: len(before_wait) == 2 and durable.get_run(run_id).status == "waiting")
         # one event per name: a second "approved" is kept but never read
         assert durable.send_event(run_id, "approved", {"by": "bob"}, buffer=True) is True
         assert durable.send_event(run_id, "shipped", {"box": 2}) is True
