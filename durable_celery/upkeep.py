@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -223,7 +224,9 @@ class Upkeep:
         next_trim = next_prune = next_sample = next_beat = time.monotonic()
         self._guarded(check_schema)
         self._guarded(self._register_node)
-        while not self._stop.wait(s.poll_interval):
+        # Jittered: a pass in step with a stream of starts on one key (each locks its holder's
+        # row for a moment) would keep finding that row locked and skipping it.
+        while not self._stop.wait(s.poll_interval * random.uniform(0.75, 1.25)):
             self._guarded(self._reconcile_queues)
             self._guarded(relay_once)
             self._guarded(fail_overdue_once)
