@@ -5,6 +5,7 @@ from .context import RunContext, current_run
 from .definition import SendEvent, Step, Workflow
 from .errors import (
     ChildFailed,
+    DatabaseUnavailable,
     DurableError,
     InvalidArgument,
     InvalidDefinition,
@@ -40,6 +41,7 @@ __all__ = [
     "Schedule",
     "DurableError",
     "ChildFailed",
+    "DatabaseUnavailable",
     "InvalidArgument",
     "InvalidDefinition",
     "InvalidKey",

@@ -98,7 +98,7 @@ class Durable:
                 self._register_workflow(workflow)
 
     def __repr__(self) -> str:
-        return f"<Durable app={self.app.main!r} db={self.db.engine.url!r}>"
+        return f"<Durable app={self.app.main!r} db={self.db.masked_url}>"  # creates no engine
 
     def _use_embedded_broker_if_unset(self) -> None:
         # Never let Celery fall back to amqp://localhost quietly: with no broker chosen, use the
@@ -157,6 +157,9 @@ class Durable:
             ignore_result=True,
             serializer="json",
             typing=False,
+            Request="durable_celery.lost:StepRequest",  # a pool process that dies mid-step
+            durable_workflow=workflow_name,
+            durable_step=index,
         )(run_step)
 
     def adopt(self, workflow: Workflow) -> None:

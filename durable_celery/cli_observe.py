@@ -32,7 +32,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info, default=str))
         return
-    click.echo(f"database: {d.db.engine.url.render_as_string(hide_password=True)}")
+    click.echo(f"database: {d.db.masked_url}")
     click.echo("schema: up to date")
     runs = "  ".join(f"{s} {n}" for s, n in sorted(info["runs"].items())) or "none"
     click.echo(f"runs: {runs}")
@@ -41,6 +41,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         f"ready: {info['ready']}   oldest ready: {'-' if oldest is None else _age(oldest)}   "
         f"stale locks: {info['stale_locks']}   disabled schedules: {len(info['disabled_schedules'])}"
     )
+    for queue, ready in sorted(info["no_consumer"].items()):
+        click.echo(f"no consumer: queue {queue} has {ready} ready run(s) and no live worker consumes it")
     if info["unfinished_by_workflow"]:
         click.echo("")
         click.echo(f"{'workflow':30}  {'status':14}  {'runs':>6}  {'ready':>6}")

@@ -17,6 +17,9 @@ Findings (``Finding.kind``):
 * ``orphaned_child``: an unfinished child of a cancelled parent (the cancel's process died
   before it reached every child). ``--fix`` cancels it, as the workers' upkeep does.
 * ``disabled_schedule``: a cron schedule turned off; it fires again only once re-enabled.
+* ``no_consumer``: ready runs on a queue that no live worker node consumes (seen within
+  ``stale_lock_timeout``, not draining) and that is not paused: start a worker with ``-Q`` and
+  that queue. One finding per queue, with the count and the oldest ready time.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .models import aware
-from .store import child_rows, doctor_rows, observe_rows
+from .store import child_rows, doctor_rows, node_rows, observe_rows, queue_rows
 from .store.db import utcnow
 
 if TYPE_CHECKING:
@@ -77,6 +80,7 @@ def diagnose(durable: Durable) -> list[Finding]:
         compensations = doctor_rows.stalled_compensations(conn, LIMIT)
         disabled = observe_rows.disabled_schedules(conn)
         orphans = child_rows.orphans(conn, LIMIT)
+        unconsumed = _unconsumed(durable, conn)
     found = [
         _run_finding(
             "waiting_unwakeable", r, "waiting with no timer and nothing to wait for", wait=r.wait_name
@@ -123,7 +127,27 @@ def diagnose(durable: Durable) -> list[Finding]:
         )
         for r in disabled
     ]
+    found += [
+        Finding(
+            kind="no_consumer",
+            message=f"{r.ready} ready run(s) on queue {r.queue!r}, which no live worker consumes",
+            details={"queue": r.queue, "ready": r.ready, "oldest_ready_at": _when(r.oldest_ready_at)},
+        )
+        for r in unconsumed
+    ]
     return found
+
+
+def _unconsumed(durable: Durable, conn: Any) -> list[Any]:
+    """Per queue with ready runs that no live node consumes and that is not paused."""
+    db, s = durable.db, durable.settings
+    consumed = node_rows.live_queues(db, conn, s.stale_lock_timeout)
+    paused = queue_rows.paused_queues(conn)
+    return [
+        r
+        for r in queue_rows.count_by_queue(db, conn)
+        if r.ready and r.queue is not None and r.queue not in consumed and r.queue not in paused
+    ]
 
 
 def _when(value: Any) -> str | None:
@@ -134,7 +158,8 @@ def _when(value: Any) -> str | None:
 def repair(durable: Durable) -> dict[str, int]:
     """The safe repairs: wake missed wake-ups, sweep stale locks, cancel orphaned children,
     relay unsent runs."""
-    from .upkeep import cancel_orphans_once, relay_once, sweep_stale_once, wake_missed_once
+    from .relay import relay_once
+    from .upkeep import cancel_orphans_once, sweep_stale_once, wake_missed_once
 
     woken = wake_missed_once(durable)
     handed_back, failed = sweep_stale_once(durable)
@@ -171,6 +196,7 @@ def summary(durable: Durable) -> dict[str, Any]:
         nodes = observe_rows.list_nodes(conn)
         disabled = observe_rows.disabled_schedules(conn)
         per_workflow = observe_rows.unfinished_by_workflow(conn)
+        unconsumed = _unconsumed(durable, conn)
     now = utcnow()
     due = [d for d in (aware(r.oldest) for r in ready) if d is not None]
     oldest = min(due, default=None)
@@ -183,6 +209,7 @@ def summary(durable: Durable) -> dict[str, Any]:
         "ready_by_workflow": {r.workflow: r.ready for r in ready},
         "oldest_ready_seconds": None if oldest is None else max(0.0, (now - oldest).total_seconds()),
         "stale_locks": stale,
+        "no_consumer": {r.queue: int(r.ready) for r in unconsumed},
         "disabled_schedules": [r.name for r in disabled],
         "nodes": [
             {

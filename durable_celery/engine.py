@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from . import instrument, signals
 from .context import RunContext, enter, leave
 from .definition import Step, Workflow
-from .errors import DurableError, RunStopped, StepTimeout
+from .errors import DatabaseUnavailable, DurableError, RunStopped, StepTimeout, WorkerLost
 from .heartbeat import ActiveStep, Heartbeater, stop_reason
 from .keys import settle_waiting_txn, wake_parent_txn
 from .queues import queue_of
@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from .app import Durable
 
 log = logging.getLogger("durable_celery")
+
+_HOST = socket.gethostname()
+
+
+def process_node(pid: int) -> str:
+    """How a process of this host names itself in ``locked_by``: ``host:pid``."""
+    return f"{_HOST}:{pid}"
 
 
 # Statuses a step or compensation can end a run in.
@@ -62,11 +69,16 @@ class Engine:
         self.durable = durable
         self.db = durable.db
         self.heartbeater = Heartbeater(self)
-        self.node = f"{socket.gethostname()}:{os.getpid()}"
         self.fenced_count = 0
         # When the grace period of a shutdown ends (0: not shutting down), in shared memory.
         self._drain_at = multiprocessing.RawValue("d", 0.0)
         self.worker_pid = 0  # the Celery worker process this engine runs in, once it starts (upkeep.py)
+
+    @property
+    def node(self) -> str:
+        """This process as it appears in ``locked_by`` and on step rows: ``host:pid`` (each
+        prefork pool process its own, so a dead one's runs are told apart)."""
+        return process_node(os.getpid())
 
     # -- messages -------------------------------------------------------------------------
 
@@ -159,6 +171,35 @@ class Engine:
             fence = queries.run_fence(conn, active.run_id)
         return stop_reason(fence, active.fence)
 
+    def record_lost(
+        self, workflow: Workflow, step: Step, run_id: str, pid: int, reason: str, compensate: bool = False
+    ) -> str:
+        """A pool process died while running this step (seen by the worker that forked it): the
+        attempt is used and recorded failed with ``WorkerLost``; the run backs off, fails or
+        compensates by the step's ``retry``, as if the step had raised. Returns what happened
+        ('retrying', 'failed', ...; 'dropped' when the process held no lock on the run)."""
+        with self.db.engine.connect() as conn:
+            row = queries.run_held_by(conn, run_id, f"{process_node(pid)}:")
+        if row is None or row.step_index != step.index:
+            return "dropped"  # it died before its claim, or after its record
+        ctx = RunContext(
+            id=row.id,
+            workflow=row.workflow,
+            input=dict(row.input),
+            context=dict(row.context),
+            attempt=row.attempt,
+            key=row.key,
+            step=step.name,
+            _active=None,  # type: ignore[arg-type]  # nothing runs: the process is gone
+        )
+        outcome = Outcome(error=WorkerLost(f"the process running step {step.name!r} died: {reason}"))
+        log.warning("durable: run %s step %s lost its process (%s)", row.id, step.name, reason)
+        started = row.heartbeat_at or utcnow()  # the claim's time is not kept; its last beat is
+        worker = process_node(pid)
+        if compensate:
+            return self._record_compensation(workflow, step, row, ctx, outcome, started, worker)
+        return self._record(workflow, step, row, ctx, outcome, started, worker)
+
     # -- results --------------------------------------------------------------------------
 
     def _record(
@@ -169,6 +210,7 @@ class Engine:
         ctx: RunContext,
         outcome: Outcome,
         started: Any,
+        worker: str | None = None,
     ) -> str:
         if outcome.stopped is not None:
             return self._stopped(workflow, step, row, outcome.stopped, outcome.logs)
@@ -184,7 +226,7 @@ class Engine:
             "name": step.name,
             "attempt": row.attempt,
             "input": ctx.input,
-            "worker": self.node,
+            "worker": worker or self.node,
             "started_at": started,
             "finished_at": utcnow(),
             "logs": outcome.logs,  # log capture (logs.py)
@@ -230,7 +272,52 @@ class Engine:
         run_values: dict[str, Any],
         step_row: dict[str, Any],
     ) -> tuple[bool, int | None]:
-        """Write the step's outcome and the run's next state: (recorded, fence if not)."""
+        """Write the step's outcome and the run's next state: (recorded, fence if not).
+
+        A database outage does not cost the step: the write is tried again until the database
+        is back (no sweep hands the run away before it has seen the database for
+        ``stale_lock_timeout`` after the outage), or until a shutdown's grace period is over,
+        and a write whose commit went through unanswered is known by its step row.
+        """
+        waited, pause = 0.0, 0.2
+        while True:
+            try:
+                recorded, fence_now = self._write_once(workflow, row, status, run_values, step_row)
+            except DatabaseUnavailable as exc:
+                if self.drain_over():
+                    raise
+                if not waited:
+                    log.warning("durable: run %s: %s; its outcome is kept until then", row.id, exc)
+                time.sleep(pause)
+                # Never slower than the heartbeats it stands in for: the write must land before
+                # a sweep that waited out its own window after the outage takes the run.
+                waited, pause = waited + pause, min(pause * 2, self.durable.settings.heartbeat_interval)
+                continue
+            if not recorded and waited and self._wrote_before(row, step_row):
+                log.warning("durable: run %s: the outcome was recorded before the outage ended", row.id)
+                return True, None
+            return recorded, fence_now
+
+    def _wrote_before(self, row: Any, step_row: dict[str, Any]) -> bool:
+        """Did an earlier try of this write commit (its answer lost to the outage)?"""
+        with self.db.engine.connect() as conn:
+            return queries.step_recorded(
+                conn,
+                row.id,
+                step_row["step_index"],
+                step_row.get("phase", "step"),
+                row.attempt,
+                step_row["worker"],
+            )
+
+    def _write_once(
+        self,
+        workflow: Workflow,
+        row: Any,
+        status: str,
+        run_values: dict[str, Any],
+        step_row: dict[str, Any],
+    ) -> tuple[bool, int | None]:
         finishing = status in ENDED
         settled = None
         if self.db.is_postgres and not (finishing and (row.key or row.parent_id)):
@@ -310,7 +397,14 @@ class Engine:
     # -- compensations ---------------------------------------------------------------------
 
     def _record_compensation(
-        self, workflow: Workflow, step: Step, row: Any, ctx: RunContext, outcome: Outcome, started: Any
+        self,
+        workflow: Workflow,
+        step: Step,
+        row: Any,
+        ctx: RunContext,
+        outcome: Outcome,
+        started: Any,
+        worker: str | None = None,
     ) -> str:
         """Record one compensation attempt; go on to the one before, retry, or end the run."""
         if outcome.stopped is not None:
@@ -323,7 +417,7 @@ class Engine:
             "name": step.name,
             "attempt": row.attempt,
             "input": ctx.input,
-            "worker": self.node,
+            "worker": worker or self.node,
             "started_at": started,
             "finished_at": utcnow(),
             "logs": outcome.logs,

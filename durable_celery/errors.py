@@ -67,6 +67,20 @@ class ScheduleNotFound(DurableError, LookupError):
         super().__init__(f"no schedule named {name!r}")
 
 
+class DatabaseUnavailable(DurableError):
+    """The database could not be reached, or dropped the connection during the call."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url, self.reason = url, reason  # url with its password masked; the driver's first line
+        super().__init__(
+            f"database unavailable at {url} ({reason}); check that the server is running and "
+            "reachable from this host and that the URL is right, then try again"
+        )
+
+    def __reduce__(self) -> tuple[type[DatabaseUnavailable], tuple[str, str]]:
+        return (type(self), (self.url, self.reason))
+
+
 class Unsupported(DurableError):
     """The storage backend lacks a capability the call needs."""
 
@@ -95,6 +109,10 @@ class ChildFailed(DurableError):
         super().__init__(f"child run {child_id} ended {status}: {reason}")
 
 
+class WorkerLost(DurableError):
+    """The process running a step died (killed, out of memory): the attempt is used."""
+
+
 __all__ = [
     "DurableError",
     "NotConfigured",
@@ -109,8 +127,10 @@ __all__ = [
     "NoKey",
     "RunNotFound",
     "ScheduleNotFound",
+    "DatabaseUnavailable",
     "Unsupported",
     "RunStopped",
     "StepTimeout",
     "ChildFailed",
+    "WorkerLost",
 ]

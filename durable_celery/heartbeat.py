@@ -118,6 +118,7 @@ class Heartbeater:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._failing = False
 
     def add(self, step: ActiveStep) -> None:
         """Watch a step until :meth:`remove`."""
@@ -144,15 +145,31 @@ class Heartbeater:
             now = time.monotonic()
             for step in watched:
                 try:
-                    self._check(step, now, interval)
-                except Exception:  # a database hiccup must not kill the heartbeat thread
-                    log.exception("durable heartbeat of run %s failed", step.run_id)
+                    beat = self._check(step, now, interval)
+                except Exception:  # a database outage must not kill the heartbeat thread
+                    self._failed(step)
+                else:
+                    if beat:
+                        self._worked()
+
+    def _failed(self, step: ActiveStep) -> None:
+        # Logged once per outage, not once per step and beat; the step runs on, and its next
+        # beat after the outage keeps its lock (upkeep sweeps nothing until then).
+        if not self._failing:
+            self._failing = True
+            log.exception("durable: heartbeat of run %s failed; retrying while the step runs", step.run_id)
+
+    def _worked(self) -> None:
+        if self._failing:
+            self._failing = False
+            log.warning("durable: heartbeats get through again")
 
     def poke(self) -> None:
         """Run a pass now (e.g. a shutdown began)."""
         self._wake.set()
 
-    def _check(self, step: ActiveStep, now: float, interval: float) -> None:
+    def _check(self, step: ActiveStep, now: float, interval: float) -> bool:
+        """Stop the step if it must stop, else heartbeat it when due; True if it beat."""
         if step.deadline is not None and now >= step.deadline:
             step.interrupt("timeout")
         elif not step.compensate and self.engine.drain_over():
@@ -162,3 +179,5 @@ class Heartbeater:
             reason = self.engine.beat(step)
             if reason is not None:
                 step.interrupt(reason)
+            return True
+        return False

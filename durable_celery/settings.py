@@ -11,6 +11,7 @@ from celery import Celery
 
 from .errors import InvalidDefinition
 from .prune import check_rules as check_prune_rules
+from .store.db import masked_url
 
 EMBEDDED_HOME = ".durable"
 
@@ -48,6 +49,15 @@ class Settings:
     # Retention (off by default): rule -> age, rules "completed", "cancelled", "failed" (prune.py).
     prune: Mapping[str, Any] | None = None
     prune_interval: float = 3600.0
+
+    def __repr__(self) -> str:
+        shown = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name == "database_url" and isinstance(value, str):
+                value = masked_url(value)  # a repr ends up in logs and tracebacks
+            shown.append(f"{field.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     @classmethod
     def build(cls, app: Celery, database_url: str | None, given: Mapping[str, Any]) -> Settings:

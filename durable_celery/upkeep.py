@@ -1,79 +1,51 @@
-"""Periodic upkeep inside every worker: the outbox relay and waker, the stale-lock sweep,
-pruning, queue samples, the node's heartbeat row and its consumers of paused queues.
+"""Periodic upkeep inside every worker: the outbox relay (relay.py), the stale-lock sweep,
+workflow timeouts, missed wake-ups, pruning, queue samples, the node's heartbeat row and its
+consumers of paused queues.
 
 Any number of nodes can run it: the relay and the pruner take their rows with ``FOR UPDATE SKIP
 LOCKED``, the sweeps end each run with an update that only matches while it is still stale or
 overdue, and one node at a time writes a queue sample.
+
+Three threads keep their own time, so no pass can starve another: the relay (which backs off
+while the broker is down), the sweeper (timeouts, the node's heartbeat, stale locks) and
+housekeeping (pruning, samples, the activity trim). The sweeper treats a lock as stale only
+after it has seen the database for ``stale_lock_timeout`` without a break: after an outage the
+healthy workers heartbeat their steps again before anything of theirs is handed back.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
+from celery.exceptions import WorkerShutdown
 from sqlalchemy import Connection
 
 from . import prune, queues, signals
 from .keys import end_run_txn
 from .nodes import Node
 from .observe import ACTIVITY_KEPT
-from .rollout import defer, fail_changed, known_elsewhere
-from .store import activity_rows, child_rows, doctor_rows, node_rows, queries, queue_rows
+from .relay import RELAY_BATCH, BrokerDown, relay_once
+from .store import activity_rows, child_rows, doctor_rows, node_rows, queries
 from .store.db import utcnow
-from .store.schema import runs
 
 if TYPE_CHECKING:
     from .app import Durable
 
 log = logging.getLogger("durable_celery")
 
-RELAY_BATCH = 500
+__all__ = ["relay_once", "sweep_stale_once", "Upkeep", "install"]
+
 TRIM_INTERVAL = 3600.0
+RELAY_BACKOFF_MAX = 15.0  # the longest wait between relay passes while the broker is down
 SAMPLE_INTERVAL = 60.0
-
-
-def relay_once(durable: Durable) -> int:
-    """Send every due run's message (new, woken or lost); returns how many were sent."""
-    known = list(durable.workflows)
-    if not known:
-        return 0
-    sent = 0
-    while True:
-        with durable.db.begin() as conn:
-            rows = queries.take_due_runs_txn(
-                durable.db,
-                conn,
-                durable.settings.relay_after,
-                RELAY_BATCH,
-                runs.c.workflow.in_(known),
-                ~queue_rows.paused_exists(),  # a paused queue's runs wait for its resume
-            )
-        for row in rows:
-            workflow = durable.workflows[row.workflow]
-            if not _has_step(workflow, row.step_index, row.step_name):
-                # newer code elsewhere (a rolling deploy), or the step was renamed or removed
-                if row.step_name is not None and known_elsewhere(durable, row.workflow, row.step_name):
-                    defer(durable, row.id, row.workflow, row.step_name, row.step_index)
-                else:
-                    fail_changed(durable, row.id, row.workflow, row.step_name, row.step_index)
-            else:
-                compensate = row.status == "compensating"
-                sent += durable.publish(
-                    workflow, row.step_index, row.id, row.attempt, row.key, compensate=compensate
-                )
-        if len(rows) < RELAY_BATCH:
-            return sent
-
-
-def _has_step(workflow: Any, index: int, name: str | None) -> bool:
-    if index >= len(workflow.steps):
-        return False
-    return name is None or workflow.steps[index].name == name
 
 
 def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
@@ -103,10 +75,9 @@ def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
         with db.begin() as conn:
             if take_back(conn):
                 handed_back.append(run.id)
-    if handed_back or failed:
+    if handed_back or failed:  # the relay sends the handed-back runs at its next pass
         log.warning("durable: recovered %d stale run(s), failed %d", len(handed_back), len(failed))
         signals.stale_recovered.send(sender=durable, run_ids=handed_back, failed_ids=failed)
-        relay_once(durable)
     return handed_back, failed
 
 
@@ -124,19 +95,6 @@ def wake_missed_once(durable: Durable) -> int:
     if woken:
         log.warning("durable: woke %d waiting run(s) that missed their wake-up", woken)
     return woken
-
-
-def check_schema(durable: Durable) -> list[str]:
-    """Log an error when the database is behind this code's schema; returns the pending
-    revisions. Migrate before starting workers of new code."""
-    pending = durable.pending_migrations()
-    if pending:
-        log.error(
-            "durable: the database schema is behind this code (pending revisions: %s); "
-            "run `celery -A <app> durable migrate` before starting these workers",
-            ", ".join(pending),
-        )
-    return pending
 
 
 def cancel_orphans_once(durable: Durable) -> list[str]:
@@ -197,59 +155,108 @@ def trim_activity_once(durable: Durable) -> int:
 
 
 class Upkeep:
-    """A daemon thread running the periodic passes until stopped."""
+    """The upkeep threads of one worker (relay, sweeper, housekeeping), run until stopped."""
 
     def __init__(self, durable: Durable, worker: Any = None) -> None:
         self.durable = durable
         self.node = Node(durable, worker) if worker is not None else None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._failing: set[str] = set()  # jobs failing now: logged once per outage
+        # Since when this node has seen the database without a break (None: it is away now).
+        self.db_seen_since: float | None = -math.inf
 
     def start(self) -> None:
-        """Start the thread (once)."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="durable-upkeep", daemon=True)
-            self._thread.start()
+        """Start the threads (once)."""
+        if any(t.is_alive() for t in self._threads):
+            return
+        self._stop.clear()
+        self._threads = [
+            threading.Thread(target=loop, name=f"durable-{name}", daemon=True)
+            for name, loop in (
+                ("relay", self._relay_loop),
+                ("sweeper", self._sweep_loop),
+                ("housekeeping", self._housekeeping_loop),
+            )
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and wait for its current pass."""
+        """Stop the threads and wait for their current passes."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
 
-    def _loop(self) -> None:
-        s = self.durable.settings
-        next_sweep = time.monotonic() + min(s.sweep_interval, s.stale_lock_timeout)
-        next_trim = next_prune = next_sample = next_beat = time.monotonic()
-        self._guarded(check_schema)
-        self._guarded(self._register_node)
+    def _wait(self, seconds: float) -> bool:
         # Jittered: a pass in step with a stream of starts on one key (each locks its holder's
         # row for a moment) would keep finding that row locked and skipping it.
-        while not self._stop.wait(s.poll_interval * random.uniform(0.75, 1.25)):
+        return self._stop.wait(seconds * random.uniform(0.75, 1.25))
+
+    def _relay_loop(self) -> None:
+        s = self.durable.settings
+        self._guarded(self._register_node)
+        delay = s.poll_interval
+        while not self._wait(delay):
             self._guarded(self._reconcile_queues)
-            self._guarded(relay_once)
-            self._guarded(fail_overdue_once)
+            try:
+                self._guarded(relay_once, raising=(BrokerDown,))
+                delay = s.poll_interval
+            except BrokerDown as exc:  # back off: an outage must not tie up the relay
+                if delay == s.poll_interval:
+                    log.warning("durable relay: %s; trying again with growing pauses", exc)
+                delay = min(max(delay, 0.5) * 2, max(RELAY_BACKOFF_MAX, s.poll_interval))
+
+    def _sweep_loop(self) -> None:
+        s = self.durable.settings
+        next_sweep = time.monotonic() + min(s.sweep_interval, s.stale_lock_timeout)
+        next_beat = time.monotonic()
+        while not self._wait(s.poll_interval):
+            self._observe(self._guarded(fail_overdue_once) is not None)  # a list, even if empty
             now = time.monotonic()
             if self.node is not None and now >= next_beat:
                 next_beat = now + max(s.heartbeat_interval, 1.0)
                 self._guarded(self._beat_node)
+            if now >= next_sweep:
+                next_sweep = now + s.sweep_interval
+                if self.may_sweep_stale():
+                    self._guarded(sweep_stale_once)
+                self._guarded(cancel_orphans_once)
+                self._guarded(wake_missed_once)
+
+    def _housekeeping_loop(self) -> None:
+        s = self.durable.settings
+        next_trim = next_prune = next_sample = time.monotonic()
+        while not self._wait(s.poll_interval):
+            now = time.monotonic()
             if s.prune and now >= next_prune:
-                # A batch per rule per pass, so a large backlog never holds up the relay and
-                # the sweeps: the next pass goes on with it while more is left.
+                # A batch per rule per pass, so a large backlog never holds up the others: the
+                # next pass goes on with it while more is left.
                 more = self._guarded(prune.prune_some)
                 next_prune = now if more else now + s.prune_interval
             if now >= next_sample:
                 next_sample = now + SAMPLE_INTERVAL
                 self._guarded(sample_queues_once)
-            if time.monotonic() >= next_sweep:
-                next_sweep = time.monotonic() + s.sweep_interval
-                self._guarded(sweep_stale_once)
-                self._guarded(cancel_orphans_once)
-                self._guarded(wake_missed_once)
-            if time.monotonic() >= next_trim:
-                next_trim = time.monotonic() + TRIM_INTERVAL
+            if now >= next_trim:
+                next_trim = now + TRIM_INTERVAL
                 self._guarded(trim_activity_once)
+
+    def _observe(self, reached: bool) -> None:
+        """Note whether the sweeper's last pass reached the database."""
+        if not reached:
+            self.db_seen_since = None
+        elif self.db_seen_since is None:
+            self.db_seen_since = time.monotonic()
+            log.warning(
+                "durable: the database is back; stale locks are swept once it has been seen for %.0fs",
+                self.durable.settings.stale_lock_timeout,
+            )
+
+    def may_sweep_stale(self) -> bool:
+        """Has this node seen the database for ``stale_lock_timeout`` without a break? Only then
+        can it tell a silent worker from one that could not reach the database either."""
+        since = self.db_seen_since
+        return since is not None and time.monotonic() - since >= self.durable.settings.stale_lock_timeout
 
     def _register_node(self, durable: Durable) -> None:
         if self.node is not None:
@@ -269,29 +276,73 @@ class Upkeep:
         if self.node is not None:
             self.node.reconcile(queues.paused_queues(durable))
 
-    def _guarded(self, job: Any) -> Any:
+    def _guarded(self, job: Any, raising: tuple[type[BaseException], ...] = ()) -> Any:
+        """Run one job; an error (the database may be restarting) is logged once until the job
+        works again, and the next pass tries again. Returns None when it failed."""
+        name = getattr(job, "__name__", str(job))
         try:
-            return job(self.durable)
-        except Exception:  # the database may be restarting; the next pass tries again
-            log.exception("durable upkeep: %s failed", job.__name__)
+            result = job(self.durable)
+        except raising:
+            raise
+        except Exception:
+            if name in self._failing:
+                log.debug("durable upkeep: %s still failing", name, exc_info=True)
+            else:
+                self._failing.add(name)
+                log.exception("durable upkeep: %s failed (logged once until it works again)", name)
             return None
+        if name in self._failing:
+            self._failing.discard(name)
+            log.warning("durable upkeep: %s works again", name)
+        return result
+
+
+def _app_argument() -> str:
+    """The ``-A`` of the command this process runs, for a message that says what to type."""
+    argv = sys.argv
+    for n, arg in enumerate(argv):
+        if arg in ("-A", "--app") and n + 1 < len(argv):
+            return argv[n + 1]
+        if arg.startswith("--app="):
+            return arg.split("=", 1)[1]
+        if arg.startswith("-A") and len(arg) > 2:
+            return arg[2:]
+    return os.environ.get("CELERY_APP", "<app>")
+
+
+def refuse_old_schema(durable: Durable) -> None:
+    """Stop a starting worker whose database is behind this code's schema (exit code 1), with
+    one line naming the pending revisions and the command that applies them."""
+    try:
+        pending = durable.pending_migrations()
+    except Exception as exc:  # the database is away: the worker starts and waits for it
+        log.error("durable: could not check the database schema at start (%s)", str(exc).splitlines()[0])
+        return
+    if pending:
+        message = (
+            f"durable: the database schema is behind this code (pending revisions: {', '.join(pending)}); "
+            f"run `celery -A {_app_argument()} durable migrate`, then start this worker again"
+        )
+        log.critical(message)
+        print(message, file=sys.stderr, flush=True)
+        raise WorkerShutdown(1)
 
 
 def install(durable: Durable) -> None:
     """Run upkeep inside every worker of ``durable.app`` (a worker bootstep)."""
-    if not durable.settings.upkeep:
-        return
 
     class DurableUpkeep(bootsteps.StartStopStep):
-        """Durable's relay, waker and stale-lock sweep, started and stopped with the worker."""
+        """Durable's schema check, relay, waker and stale-lock sweep, started and stopped with
+        the worker."""
 
         requires = ("celery.worker.components:Pool",)
 
-        def create(self, worker: Any) -> Upkeep:
+        def create(self, worker: Any) -> Upkeep | None:
             durable.engine.worker_pid = os.getpid()  # before the pool forks: drain() from a child
-            return Upkeep(durable, worker)
+            return Upkeep(durable, worker) if durable.settings.upkeep else None
 
         def start(self, worker: Any) -> None:
+            refuse_old_schema(durable)
             durable.engine.undrain()
             super().start(worker)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,12 +11,13 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import psycopg
 from sqlalchemy import Connection, DateTime, Engine, Interval, bindparam, create_engine, event, func
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import NullPool
 
-from ..errors import InvalidDefinition
+from ..errors import DatabaseUnavailable, InvalidDefinition
 
 
 class Clock:
@@ -40,6 +42,48 @@ def normalize_url(url: str) -> str:
     elif parsed.drivername.startswith("postgresql+") and parsed.drivername != "postgresql+psycopg":
         raise InvalidDefinition(f"use the psycopg (3) driver for PostgreSQL, not {parsed.drivername}")
     return parsed.render_as_string(hide_password=False)
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password (in the authority or as ``?password=``) shown as ``***``."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # not a URL SQLAlchemy can parse: mask what looks like user:password@
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    if "password" in parsed.query:
+        parsed = parsed.update_query_dict({"password": "***"})
+    return parsed.render_as_string(hide_password=True).replace("password=%2A%2A%2A", "password=***")
+
+
+# SQLSTATEs of a session the server ended or would not open: class 08 (connection exception),
+# shutdown, crash and start-up (57P01-57P03), and too many connections (53300).
+_SERVER_GONE = ("57P01", "57P02", "57P03", "53300")
+
+
+def connection_lost(error: BaseException, is_disconnect: bool = False) -> bool:
+    """Whether a driver error means the database cannot be reached or dropped the connection.
+
+    Errors of a working session (a duplicate key, a lock or statement timeout, a deadlock,
+    SQLite's "database is locked") are not: they say something about the statement.
+    """
+    if is_disconnect or isinstance(error, DisconnectionError):
+        return True
+    if not isinstance(error, psycopg.Error):
+        return False
+    if error.sqlstate is None:
+        # Raised by psycopg itself, not sent by a server: a refused or failed connect (any
+        # reason libpq gives), a socket closed under a statement, a connect timeout.
+        return isinstance(error, psycopg.OperationalError)
+    return error.sqlstate.startswith("08") or error.sqlstate in _SERVER_GONE
+
+
+def short_reason(error: BaseException) -> str:
+    """The first line of a driver error: for a connection error it holds no SQL and no values."""
+    if isinstance(error, DisconnectionError) and error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).strip().splitlines()
+    reason = lines[0].strip() if lines else ""
+    return (reason or type(error).__name__)[:200]
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -84,6 +128,7 @@ class Database:
         self, url: str, *, pool_size: int = 5, echo: bool = False, prepared_statements: bool = True
     ) -> None:
         self.url = normalize_url(url)
+        self.masked_url = masked_url(self.url)
         self._prepared = prepared_statements
         self.is_sqlite = self.url.startswith("sqlite")
         self.is_postgres = self.url.startswith("postgresql")
@@ -114,6 +159,7 @@ class Database:
             engine = create_engine(
                 self.url,
                 echo=self._echo,
+                hide_parameters=True,  # an error's message never carries a run's input
                 connect_args={"timeout": 60, "check_same_thread": False},
                 poolclass=NullPool if path in (None, "", ":memory:") else None,
             )
@@ -124,10 +170,12 @@ class Database:
                 dbapi_conn.isolation_level = None
 
             event.listen(engine, "begin", _sqlite_begin)
+            event.listen(engine, "handle_error", self._raise_unavailable)
             return engine
         engine = create_engine(
             self.url,
             echo=self._echo,
+            hide_parameters=True,  # an error's message never carries a run's input
             pool_size=self._pool_size,
             max_overflow=self._pool_size,
             # The key decision is written for READ COMMITTED: a blocked ON CONFLICT or FOR UPDATE
@@ -141,7 +189,17 @@ class Database:
         event.listen(engine, "connect", lambda _conn, record: _mark_idle(_conn, record))
         event.listen(engine, "checkin", _mark_idle)
         event.listen(engine, "checkout", _ping_if_idle)
+        event.listen(engine, "handle_error", self._raise_unavailable)
         return engine
+
+    def _raise_unavailable(self, context: ExceptionContext) -> None:
+        # The one place driver errors of an outage become DatabaseUnavailable: every connect,
+        # statement, begin and commit of this engine passes here, whoever opened the connection.
+        # SQLAlchemy raises what a handler raises ``from`` the driver's error.
+        if context.is_pre_ping or not connection_lost(context.original_exception, context.is_disconnect):
+            return
+        context.is_disconnect = True  # drop the connection (and the pool): none of it is usable
+        raise DatabaseUnavailable(self.masked_url, short_reason(context.original_exception))
 
     def dispose(self) -> None:
         """Close every pooled connection of this process."""

@@ -127,9 +127,11 @@ def stalled_compensations(conn: Connection, limit: int) -> Sequence[Any]:
 def unsent_due_runs(
     db: Database, conn: Connection, unsent_after: float, relay_after: float, limit: int
 ) -> Sequence[Any]:
-    """Runs due for a while whose message was never sent, or sent and never claimed or re-sent."""
+    """Runs due for a while whose message was never sent, or sent, never claimed, and overdue
+    for the relay's look at them (no worker's upkeep is running)."""
     never_sent = and_(runs.c.published.is_(False), runs.c.due_at < db.later(-unsent_after))
-    lost = and_(runs.c.published.is_(True), runs.c.due_at < db.later(-relay_after))
+    first_look = and_(runs.c.resend_at.is_(None), runs.c.due_at < db.later(-(relay_after + unsent_after)))
+    lost = and_(runs.c.published.is_(True), or_(first_look, runs.c.resend_at < db.later(-unsent_after)))
     query = (
         select(*_RUN_COLUMNS, runs.c.due_at, runs.c.published)
         .where(

@@ -62,6 +62,14 @@ def live_node_steps(db: Database, conn: Connection, seen_within: float) -> Seque
     return conn.execute(query).all()
 
 
+def live_queues(db: Database, conn: Connection, seen_within: float) -> set[str]:
+    """The queues consumed by nodes seen within ``seen_within`` seconds and not draining."""
+    query = select(nodes.c.queues).where(
+        nodes.c.seen_at >= db.later(-seen_within), nodes.c.draining.is_(False)
+    )
+    return {queue for row in conn.execute(query) for queue in (row.queues or [])}
+
+
 def mark_draining(conn: Connection, node: str) -> bool:
     """Flag a node as draining (it stops claiming and hands its runs back); False if unknown."""
     return bool(conn.execute(update(nodes).where(nodes.c.name == node).values(draining=True)).rowcount == 1)

@@ -6,11 +6,25 @@ Functions named ``*_txn`` run inside the caller's transaction (``conn``); the ca
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, bindparam, func, insert, or_, select, update
+from sqlalchemy import (
+    Connection,
+    DateTime,
+    Interval,
+    Row,
+    and_,
+    bindparam,
+    case,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 
-from .db import Clock, Database, shape
+from .db import Clock, Database, shape, utcnow
 from .queue_rows import paused_exists
 from .schema import keys, runs, steps
 
@@ -122,6 +136,8 @@ def claim_run(
                 heartbeat_at=now,
                 due_at=None,
                 published=False,
+                resends=0,
+                resend_at=None,
                 started_at=func.coalesce(runs.c.started_at, now),
                 deadline_at=deadline,
             )
@@ -131,6 +147,16 @@ def claim_run(
     clocks = {"p_now": Clock(), **({"p_deadline": Clock(timeout)} if timeout else {})}
     params = {"p_id": run_id, "p_step": step_index, "p_node": node, **db.clock_params(clocks)}
     return conn.execute(db.statement(("claim", bool(timeout), compensate), build), params).first()
+
+
+def run_held_by(conn: Connection, run_id: str, node_prefix: str) -> Any:
+    """The run, if a worker whose ``locked_by`` starts with ``node_prefix`` holds it."""
+    query = select(*_CLAIM_COLUMNS, runs.c.status, runs.c.locked_by, runs.c.heartbeat_at).where(
+        runs.c.id == run_id,
+        runs.c.status.in_(HELD),
+        runs.c.locked_by.startswith(node_prefix, autoescape=True),
+    )
+    return conn.execute(query).first()
 
 
 def heartbeat_run(db: Database, conn: Connection, run_id: str, fence: int) -> bool:
@@ -206,6 +232,20 @@ def record_step(
     return conn.execute(stmt, params).first() is not None
 
 
+def step_recorded(
+    conn: Connection, run_id: str, step_index: int, phase: str, attempt: int, worker: str
+) -> bool:
+    """Whether ``worker`` recorded this attempt of the step (or compensation) of the run."""
+    query = select(steps.c.id).where(
+        steps.c.run_id == run_id,
+        steps.c.step_index == step_index,
+        steps.c.phase == phase,
+        steps.c.attempt == attempt,
+        steps.c.worker == worker,
+    )
+    return conn.execute(query.limit(1)).first() is not None
+
+
 def hand_back_txn(db: Database, conn: Connection, run_id: str, fence: int, seconds: float) -> bool:
     """Give up a held run without recording a step: due again in ``seconds``, same attempt."""
     values = {"locked_by": None, "heartbeat_at": None, "due_at": Clock(seconds), "published": False}
@@ -244,17 +284,33 @@ def cancel_run_txn(
     return conn.execute(query).first()
 
 
+def relay_candidates(db: Database, conn: Connection, relay_after: float, *where: Any) -> Sequence[Any]:
+    """Per queue with a run due for a re-send: how many of its runs are sent and unclaimed."""
+    sent = and_(runs.c.published.is_(True), runs.c.locked_by.is_(None), runs.c.due_at <= db.now())
+    query = (
+        select(runs.c.queue, func.count().label("unclaimed"))
+        .where(sent, runs.c.status.in_(RELAYED), *where)
+        .group_by(runs.c.queue)
+        .having(func.max(case((_resend_due(db, relay_after), 1), else_=0)) == 1)
+    )
+    return conn.execute(query).all()
+
+
+def _resend_due(db: Database, relay_after: float) -> Any:
+    """A sent run's re-send is due: ``relay_after`` after it became due, then when the relay
+    said it would look again."""
+    first = and_(runs.c.resend_at.is_(None), runs.c.due_at <= db.later(-relay_after))
+    return and_(runs.c.published.is_(True), or_(first, runs.c.resend_at <= db.now()))
+
+
 def take_due_runs_txn(
     db: Database, conn: Connection, relay_after: float, limit: int, *where: Any
 ) -> Sequence[Any]:
-    """Runs needing a message: due and never sent, or sent long ago and still not claimed.
-
-    They are marked sent in the same transaction; rows other nodes hold are skipped.
-    """
-    now = db.now()
+    """Runs needing a message: due and never sent, or sent and due for a re-send (``resend``
+    tells which). Rows other nodes hold are skipped; the caller marks what it did with
+    :func:`mark_relayed_txn` in the same transaction."""
     due = and_(runs.c.due_at.is_not(None), runs.c.locked_by.is_(None))
-    never_sent = and_(runs.c.published.is_(False), runs.c.due_at <= now)
-    lost = and_(runs.c.published.is_(True), runs.c.due_at <= db.later(-relay_after))
+    never_sent = and_(runs.c.published.is_(False), runs.c.due_at <= db.now())
     query = (
         select(
             runs.c.id,
@@ -264,17 +320,36 @@ def take_due_runs_txn(
             runs.c.attempt,
             runs.c.key,
             runs.c.status,
+            runs.c.queue,
+            runs.c.resends,
+            runs.c.published.label("resend"),
         )
-        .where(due, or_(never_sent, lost), runs.c.status.in_(RELAYED), *where)
+        .where(due, or_(never_sent, _resend_due(db, relay_after)), runs.c.status.in_(RELAYED), *where)
         .order_by(runs.c.due_at)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
-    rows = conn.execute(query).all()
-    if rows:
-        ids = [r.id for r in rows]
-        conn.execute(update(runs).where(runs.c.id.in_(ids)).values(published=True, due_at=now))
-    return rows
+    return conn.execute(query).all()
+
+
+def mark_relayed_txn(db: Database, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """Mark runs sent (or looked at) by the relay: ``{"b_id", "b_resends", "b_after"}`` each,
+    the relay looking again ``b_after`` seconds from now unless a worker claims the run."""
+    if not rows:
+        return
+    if db.is_postgres:
+        resend_at: Any = func.now() + bindparam("b_after", type_=Interval())
+        params = [{**r, "b_after": timedelta(seconds=r["b_after"])} for r in rows]
+    else:
+        resend_at = bindparam("b_at", type_=DateTime(timezone=True))
+        now = utcnow()
+        params = [{**r, "b_at": now + timedelta(seconds=r["b_after"])} for r in rows]
+    query = (
+        update(runs)
+        .where(runs.c.id == bindparam("b_id"))
+        .values(published=True, resends=bindparam("b_resends"), resend_at=resend_at)
+    )
+    conn.execute(query, params)
 
 
 def mark_unsent(conn: Connection, run_ids: Sequence[str]) -> None:

@@ -70,6 +70,10 @@ runs = Table(
     # says one was (or is about to be) sent after commit; the relay re-sends stale ones.
     Column("due_at", Timestamp),
     Column("published", Boolean, nullable=False, server_default=text("false")),
+    # The relay's re-sends of a published, unclaimed run: how many it made since the last claim,
+    # and when it looks again (None: relay_after after due_at). Intervals double per re-send.
+    Column("resends", Integer, nullable=False, server_default=text("0")),
+    Column("resend_at", Timestamp),
     # A debounced run is never due later than this (the debounce timeout from its first start).
     Column("not_after", Timestamp),
     # The workflow timeout: an unfinished run is failed after this.

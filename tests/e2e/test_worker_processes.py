@@ -60,6 +60,31 @@ APP = textwrap.dedent(
             time.sleep(0.05)
         return os.getpid()
 
+    crash = durable.workflow("crash")
+
+    @crash.step(retry=int(os.environ.get("RETRY", "1")))
+    def die_here(tag):
+        # Each attempt leaves its process id; it runs until the test lets it go (or kills it).
+        (marks / f"pid-{current_run().attempt}").write_text(str(os.getpid()))
+        while not (marks / "go").exists():
+            time.sleep(0.05)
+        return current_run().attempt
+
+    undo = durable.workflow("undo")
+
+    def refund(tag):
+        (marks / f"comp-{current_run().attempt}").write_text(str(os.getpid()))
+        while not (marks / "go").exists():
+            time.sleep(0.05)
+
+    @undo.step(compensate=refund, compensate_retry=int(os.environ.get("RETRY", "1")))
+    def charge(tag):
+        return "charged"
+
+    @undo.step
+    def explode(tag):
+        raise RuntimeError("card declined")
+
     if os.environ.get("WITH_LATE", ""):
         late = durable.workflow("late")
 
@@ -114,6 +139,11 @@ def client(proc_env: dict[str, str]) -> Iterator[Durable]:
     durable = Durable(app, proc_env["DB"], upkeep=False)
     job = durable.workflow("job")
     job.step(lambda mode: None, name="work")
+    crash = durable.workflow("crash")
+    crash.step(lambda tag: None, name="die_here")
+    undo = durable.workflow("undo")
+    undo.step(lambda tag: None, name="charge")
+    undo.step(lambda tag: None, name="explode")
     yield durable
     durable.db.dispose()
 
@@ -216,3 +246,90 @@ def _losses_and_lock(client: Durable, run_id: str) -> tuple[int, bool]:
     with client.db.engine.connect() as conn:
         row = queries.fetch_run(conn, run_id)
     return row.losses, row.locked_by is not None
+
+
+def _wait_file(path: Path, seconds: float) -> str:
+    deadline = time.monotonic() + seconds
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path.name} did not appear within {seconds}s"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_pool_process_uses_an_attempt_and_the_next_one_starts_within_seconds(
+    client, start_worker, proc_env
+):
+    start_worker("first", "prefork", RETRY="2", STALE="300")
+    marks = Path(proc_env["MARKS"])
+    run_id = client.start("crash", {"tag": "oom"})
+    pid = int(_wait_file(marks / "pid-1", 30))
+    os.kill(pid, signal.SIGKILL)  # what the OOM killer does to a pool process
+    killed_at = time.monotonic()
+    second = int(_wait_file(marks / "pid-2", 10))  # not the 300 s stale timeout
+    assert time.monotonic() - killed_at < 10 and second != pid
+    (marks / "go").touch()
+    run = wait_for(client, run_id, timeout=30)
+    assert run.status == "completed" and run.output == 2
+    steps = client.list_steps(run_id)
+    assert [(s.attempt, s.status) for s in steps] == [(1, "failed"), (2, "completed")]
+    assert steps[0].error["type"] == "WorkerLost"
+    assert "signal 9" in steps[0].error["message"] and str(pid) in steps[0].error["message"]
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_pool_process_fails_a_run_with_no_attempt_left_within_seconds(
+    client, start_worker, proc_env
+):
+    worker = start_worker("first", "prefork", RETRY="1", STALE="300")
+    marks = Path(proc_env["MARKS"])
+    run_id = client.start("crash", {"tag": "segfault"})
+    pid = int(_wait_file(marks / "pid-1", 30))
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    run = wait_for(client, run_id, timeout=10)
+    assert time.monotonic() - killed_at < 10
+    assert run.status == "failed" and run.error["type"] == "WorkerLost"
+    assert "signal 9" in run.error["message"]
+    assert [(s.attempt, s.status) for s in client.list_steps(run_id)] == [(1, "failed")]
+    assert not (marks / "pid-2").exists() and worker.poll() is None  # the worker lives on
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_on_an_older_schema_exits_at_once_naming_the_revisions_and_the_command(
+    start_worker, proc_env, tmp_path
+):
+    from alembic import command
+
+    from durable_celery.store.db import Database
+    from durable_celery.store.migrate import alembic_config
+
+    db = Database(proc_env["DB"])
+    command.downgrade(alembic_config(db), "0003")  # the schema of the previous release
+    db.dispose()
+    started = time.monotonic()
+    worker = start_worker("behind", "prefork")
+    assert worker.wait(30) == 1
+    assert time.monotonic() - started < 30
+    output = (tmp_path / "behind.log").read_text()
+    assert "pending revisions: 0004" in output
+    assert "run `celery -A procapp durable migrate`" in output
+    assert output.count("Traceback") == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_compensation_is_recorded_failed_and_ends_the_run_with_no_attempt_left(
+    client, start_worker, proc_env
+):
+    start_worker("first", "prefork", RETRY="1", STALE="300")
+    marks = Path(proc_env["MARKS"])
+    run_id = client.start("undo", {"tag": "order-9"})
+    pid = int(_wait_file(marks / "comp-1", 30))
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    run = wait_for(client, run_id, timeout=10)
+    assert time.monotonic() - killed_at < 10
+    assert run.status == "compensation_failed"
+    undo = [s for s in client.list_steps(run_id) if s.phase == "compensate"]
+    assert [(s.name, s.attempt, s.status) for s in undo] == [("charge", 1, "failed")]
+    assert undo[0].error["type"] == "WorkerLost" and "signal 9" in undo[0].error["message"]

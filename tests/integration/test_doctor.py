@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -263,3 +264,29 @@ def test_doctor_finds_a_run_again_run_whose_holder_ended_without_handing_it_the_
         )
     (finding,) = durable.doctor()
     assert (finding.kind, finding.run_id) == ("waiting_unwakeable", waiting)
+
+
+@postgres_only
+def test_ready_runs_on_a_queue_no_worker_consumes_are_a_finding(durable, cli):
+    slow = f"slow-{uuid.uuid4().hex[:6]}"
+    wf = durable.workflow("report")
+    wf.step(lambda: "ok", name="build", queue=slow)
+    fast = durable.workflow("ping")
+    fast.step(lambda: "pong", name="pong")
+    with worker(durable):  # consumes the default queue only, as a worker started without -Q slow
+        run_id = durable.start(wf)
+        assert wait_for(durable, durable.start(fast)).output == "pong"  # the node is up and working
+        (finding,) = [f for f in durable.doctor() if f.kind == "no_consumer"]
+        assert finding.details["queue"] == slow and finding.details["ready"] == 1
+        assert slow in finding.message and not finding.fixable
+        report = cli("doctor")
+        assert report.returncode == 1 and f"queue '{slow}'" in report.stdout
+        status = cli("status")
+        assert f"no consumer: queue {slow} has 1 ready run(s)" in status.stdout
+        assert json.loads(cli("status", "--json").stdout)["no_consumer"] == {slow: 1}
+        durable.pause_queue(slow)  # a paused queue waits on purpose: not a finding
+        assert [f for f in durable.doctor() if f.kind == "no_consumer"] == []
+        durable.resume_queue(slow)
+    with worker(durable, queues=[slow]):
+        assert wait_for(durable, run_id).output == "ok"
+    assert durable.get_run(run_id).status == "completed"

@@ -87,18 +87,21 @@ def test_cli_migrate_check_fails_when_behind_and_passes_after_migrate(empty_url,
     assert listing.returncode == 0 and listing.stdout.startswith("id")
 
 
-def test_a_worker_on_a_schema_behind_its_code_says_so(empty_url, caplog):
+def test_a_worker_on_a_schema_behind_its_code_refuses_to_start(empty_url, caplog):
     from alembic import command
+    from celery.exceptions import WorkerShutdown
 
     from durable_celery.store.migrate import alembic_config
-    from durable_celery.upkeep import check_schema
+    from durable_celery.upkeep import refuse_old_schema
 
     durable = Durable(Celery("behind", broker="memory://"), empty_url, upkeep=False)
-    command.upgrade(alembic_config(durable.db), "0002")  # the schema of the previous release
-    with caplog.at_level("ERROR", logger="durable_celery"):
-        assert check_schema(durable) == ["0003"]  # what each worker's upkeep runs as it starts
-    assert "pending revisions: 0003" in caplog.text and "durable migrate" in caplog.text
+    command.upgrade(alembic_config(durable.db), "0003")  # the schema of the previous release
+    with caplog.at_level("ERROR", logger="durable_celery"), pytest.raises(WorkerShutdown) as stopped:
+        refuse_old_schema(durable)  # what each worker runs as it starts
+    assert stopped.value.code == 1
+    assert "pending revisions: 0004" in caplog.text and "durable migrate" in caplog.text
     durable.migrate()
     caplog.clear()
-    assert check_schema(durable) == [] and caplog.text == ""
+    refuse_old_schema(durable)
+    assert caplog.text == ""
     durable.db.dispose()

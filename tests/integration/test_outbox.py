@@ -48,14 +48,14 @@ def test_start_while_broker_is_down_completes_once_it_is_back(pg_url, redis_clie
 
 
 def test_committed_start_whose_message_was_lost_is_relayed(pg_url, redis_client):
-    # The producer "crashes" after commit: its message goes to a queue no worker reads.
-    producer = make(pg_url, REDIS_URL, "nobody-listens")
+    producer = make(pg_url, REDIS_URL, "outbox-b")
     run_id = producer.start("ship", {"order": 7})
+    assert redis_client.llen("outbox-b") == 1
+    redis_client.delete("outbox-b")  # the broker lost it (a restart without persistence)
     consumer = make(pg_url, REDIS_URL, "outbox-b", relay_after=1.0)
     with worker(consumer):
         done = wait_for(consumer, run_id, timeout=20)
     assert done.status == "completed" and done.output == "sent 7"
-    redis_client.delete("nobody-listens")
 
 
 def test_nothing_is_published_for_a_rolled_back_start(pg_url, redis_client):
