@@ -87,8 +87,9 @@ class Durable:
         self._use_embedded_broker_if_unset()
         self._setup_watching()
         app._durable = self  # type: ignore[attr-defined]
-        from . import rollout, upkeep
+        from . import broker_reconnect, rollout, upkeep
 
+        broker_reconnect.install(app)  # workers outlive a broker restart (Celery 5.7.0)
         upkeep.install(self)
         rollout.install(self)
         schedule_fires.install(self)
@@ -142,22 +143,35 @@ class Durable:
                 self._register_workflow(branch)
 
     def _register_step(self, workflow: Workflow, step: Step) -> None:
+        from . import task_states
+
         durable = self
         workflow_name, index = workflow.name, step.index
 
-        def run_step(run_id: str, step: int = index, attempt: int = 1, phase: str = "step") -> str:
-            return durable.run_message(workflow_name or "", index, run_id, phase == "compensate")
+        def run_step(
+            task: Any, run_id: str, step: int = index, attempt: int = 1, phase: str = "step"
+        ) -> dict[str, Any]:
+            # The task's Celery state tells what the attempt came to (task_states.py).
+            compensate = phase == "compensate"
+            wf = durable.workflows[workflow_name or ""]
+            result = durable.engine.execute_with_result(wf, wf.steps[index], run_id, compensate=compensate)
+            return task_states.task_result(
+                result, task.request, run_id, wf, wf.steps[index], compensate, durable.backoff
+            )
 
         run_step.__name__ = step.name
         run_step.__doc__ = f"Durable step {step.name!r} of workflow {workflow_name!r}."
         self.app.task(
             name=step.task_name,
+            bind=True,
             shared=False,
             acks_late=True,
+            acks_on_failure_or_timeout=True,  # a failed step is recorded: never leave its message
             ignore_result=True,
             serializer="json",
             typing=False,
-            Request="durable_celery.lost:StepRequest",  # a pool process that dies mid-step
+            # Records a pool process that dies mid-step, and announces ignored messages.
+            Request="durable_celery.task_states:StateRequest",
             durable_workflow=workflow_name,
             durable_step=index,
         )(run_step)
@@ -392,9 +406,12 @@ class Durable:
         """Activity entries (key decisions and more), newest first."""
         return observe.list_activity(self, kinds, run_id, workflow, limit)
 
-    def list_keys(self, workflow: str | None = None, limit: int = 1000) -> list[KeyEntry]:
-        """Held keys with their holder, runs per key and re-adds in the last day."""
-        return observe.list_keys(self, workflow, limit)
+    def list_keys(
+        self, workflow: str | None = None, limit: int = 1000, *, prefix: str | None = None
+    ) -> list[KeyEntry]:
+        """Held keys with their holder, whether each blocks a new start, runs per key and
+        re-adds in the last day; ``prefix`` keeps the keys that start with it."""
+        return observe.list_keys(self, workflow, limit, prefix=prefix)
 
     def count_runs(self) -> dict[tuple[str, str], int]:
         """How many runs each workflow has in each status."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from typing import Any
 
 import click
 
 from .app import STATUSES, Durable
 from .errors import DurableError, NotConfigured
+from .key_report import blocks_new_starts
 
 
 def durable_of(ctx: click.Context) -> Durable:
@@ -55,34 +57,51 @@ def migrate(ctx: click.Context, check: bool) -> None:
 def runs(
     ctx: click.Context, workflow: str | None, key: str | None, status: str | None, limit: int, as_json: bool
 ) -> None:
-    """List runs, newest first."""
-    found = durable_of(ctx).list_runs(workflow=workflow, key=key, status=status, limit=limit)
+    """List runs, newest first; "holds" is yes for a run whose key blocks a new start, free for a
+    finished holder whose key the next start takes."""
+    d = durable_of(ctx)
+    found = _or_fail(lambda: d.list_runs(workflow=workflow, key=key, status=status, limit=limit))
     if as_json:
         for run in found:
-            click.echo(json.dumps(_run_dict(run), default=str))
+            click.echo(json.dumps({**_run_dict(run), "key_blocks": _key_blocks(d, run)}, default=str))
         return
     click.echo(f"{'id':36}  {'workflow':20}  {'status':12}  {'step':>4}  {'key':24}  {'holds':5}  created")
     for run in found:
         click.echo(
             f"{run.id:36}  {run.workflow[:20]:20}  {run.status:12}  {run.step_index:>4}  "
-            f"{(run.key or '-')[:24]:24}  {'yes' if run.holds_key else '-':5}  "
+            f"{(run.key or '-')[:24]:24}  {_holds(d, run):5}  "
             f"{run.created_at:%Y-%m-%d %H:%M:%S}"
         )
 
 
 @durable.command()
 @click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: the run, its steps and children.")
 @click.pass_context
-def show(ctx: click.Context, run_id: str) -> None:
-    """Show one run and its recorded steps."""
+def show(ctx: click.Context, run_id: str, as_json: bool) -> None:
+    """Show one run, its recorded step attempts and its children."""
     d = durable_of(ctx)
     run = _or_fail(d.get_run, run_id)
-    click.echo(json.dumps(_run_dict(run), default=str, indent=2))
-    for step in d.list_steps(run_id):
+    steps, children = d.list_steps(run_id), d.list_children(run_id)
+    if as_json:
+        whole = {
+            **_run_dict(run),
+            "key_blocks": _key_blocks(d, run),
+            "steps": [asdict(step) for step in steps],
+            "children": [_run_dict(child) for child in children],
+        }
+        click.echo(json.dumps(whole, default=str))
+        return
+    for label, value in _run_fields(d, run):
+        click.echo(f"{label:10}  {value}")
+    click.echo(f"steps ({len(steps)})" if steps else "steps: none recorded")
+    for step in steps:
         outcome = step.error["message"] if step.error else json.dumps(step.output, default=str)
         what = "compensation of " if step.phase == "compensate" else ""
         click.echo(f"  {step.step_index}. {what}{step.name} attempt {step.attempt}: {step.status} {outcome}")
-    for child in d.list_children(run_id):
+    if children:
+        click.echo(f"children ({len(children)})")
+    for child in children:
         click.echo(f"  child {child.id} ({child.workflow}): {child.status}")
 
 
@@ -99,16 +118,69 @@ def cancel(ctx: click.Context, run_ids: tuple[str, ...]) -> None:
 
 @durable.command()
 @click.option("--workflow", "-w", help="Only keys of this workflow.")
+@click.option("--key", "-k", "prefix", metavar="PREFIX", help="Only keys starting with PREFIX.")
 @click.option("--limit", "-n", default=50, show_default=True, help="At most this many keys.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per key, one a line.")
+@click.option(
+    "--html",
+    "html_file",
+    type=click.File("w", encoding="utf-8", lazy=True),
+    metavar="FILE",
+    help="Write the key report to FILE as one static HTML page ('-': standard output).",
+)
 @click.pass_context
-def keys(ctx: click.Context, workflow: str | None, limit: int) -> None:
-    """The key report: held keys, their holders, re-adds and hand-offs."""
+def keys(
+    ctx: click.Context,
+    workflow: str | None,
+    prefix: str | None,
+    limit: int,
+    as_json: bool,
+    html_file: Any,
+) -> None:
+    """The key report: keys, their holders, whether each blocks a new start, re-adds and hand-offs."""
+    from .observe import list_keys
+
+    if as_json and html_file is not None:
+        raise click.UsageError("give --json or --html, not both")
     d = durable_of(ctx)
-    stats = d.stats.keys(workflow=workflow)
+    found = _or_fail(lambda: list_keys(d, workflow, limit, prefix=prefix))
+    scope = _key_scope(workflow, prefix, limit, len(found))
+    if as_json:
+        for entry in found:
+            click.echo(json.dumps(asdict(entry), default=str))
+        return
+    if html_file is not None:
+        from .key_report import render_key_report
+        from .store.db import utcnow
+
+        html_file.write(render_key_report(found, generated_at=utcnow(), scope=scope))
+        if html_file.name != "-":
+            click.echo(f"key report ({len(found)} keys) written to {html_file.name}")
+        return
+    _echo_key_stats(d.stats.keys(workflow=workflow))
+    click.echo("")
     click.echo(
-        f"keys held: {stats['keys_held']}   re-adds (7 days): {stats['readds']}   "
-        f"dropped inputs: {stats['dropped_inputs']}   hand-offs: {stats['handoffs']}   "
-        f"released: {stats['releases']}   retaken: {stats['retakes']}"
+        f"{'workflow':20}  {'key':32}  {'holder':36}  {'status':12}  {'blocks':6}  {'waiting':36}  "
+        f"{'runs':>4}  {'re-adds 24h':>11}"
+    )
+    for entry in found:
+        click.echo(
+            f"{entry.workflow[:20]:20}  {entry.key[:32]:32}  {entry.holder_id:36}  "
+            f"{entry.holder_status:12}  {'yes' if entry.blocks else 'free':6}  {entry.waiting_id or '-':36}  "
+            f"{entry.runs:>4}  {entry.readds_last_day:>11}"
+        )
+    blocking = sum(1 for e in found if e.blocks)
+    click.echo(
+        f"{len(found)} {'key' if len(found) == 1 else 'keys'}, {blocks_new_starts(blocking)} ({scope})"
+    )
+
+
+def _echo_key_stats(stats: dict[str, Any]) -> None:
+    held, blocking = stats["keys_held"], stats["blocking"]
+    click.echo(
+        f"keys held: {held} ({blocks_new_starts(blocking)}, {held - blocking} free to take)   "
+        f"re-adds (7 days): {stats['readds']}   dropped inputs: {stats['dropped_inputs']}   "
+        f"hand-offs: {stats['handoffs']}   released: {stats['releases']}   retaken: {stats['retakes']}"
     )
     if stats["readds_by_outcome"]:
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats["readds_by_outcome"].items()))
@@ -118,13 +190,15 @@ def keys(ctx: click.Context, workflow: str | None, limit: int) -> None:
             "most re-added: "
             + ", ".join(f"{t['workflow']}/{t['key']} ({t['readds']})" for t in stats["top_keys"])
         )
-    click.echo("")
-    click.echo(f"{'workflow':20}  {'key':32}  {'holder':36}  {'status':12}  {'runs':>4}  {'re-adds 24h':>11}")
-    for entry in d.list_keys(workflow=workflow, limit=limit):
-        click.echo(
-            f"{entry.workflow[:20]:20}  {entry.key[:32]:32}  {entry.holder_id:36}  "
-            f"{entry.holder_status:12}  {entry.runs:>4}  {entry.readds_last_day:>11}"
-        )
+
+
+def _key_scope(workflow: str | None, prefix: str | None, limit: int, listed: int) -> str:
+    parts = [f"workflow {workflow}" if workflow else "every workflow"]
+    if prefix:
+        parts.append(f"keys starting with {prefix!r}")
+    if listed >= limit:
+        parts.append(f"only the {limit} taken most recently: -n for more")
+    return ", ".join(parts)
 
 
 @durable.command(name="release-key")
@@ -163,13 +237,55 @@ def _or_fail(fn: Any, *args: Any) -> Any:
 
 
 def _run_dict(run: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return asdict(run)
 
 
+def _key_blocks(d: Durable, run: Any) -> bool:
+    """Whether ``run`` holds its key and a new start with that key gets it."""
+    from .observe import key_blocks
+
+    return bool(run.holds_key) and key_blocks(d, run.workflow, run.status)
+
+
+def _holds(d: Durable, run: Any) -> str:
+    """The "holds" column: yes (its key blocks a new start), free (a finished holder whose key
+    the next start takes), - (holds no key)."""
+    if not run.holds_key:
+        return "-"
+    return "yes" if _key_blocks(d, run) else "free"
+
+
+def _run_fields(d: Durable, run: Any) -> list[tuple[str, str]]:
+    """``show``'s label/value lines for one run."""
+    fields = [("run", run.id), ("workflow", run.workflow), ("status", run.status)]
+    if run.key is not None:
+        held = {"yes": "holds it, blocks new starts", "free": "holds it, free to take", "-": "not held"}
+        fields.append(("key", f"{run.key} ({held[_holds(d, run)]})"))
+    fields += [
+        (label, value)
+        for label, value in (("parent", run.parent_id), ("runs after", run.runs_after_id))
+        if value
+    ]
+    fields.append(("step", f"{run.step_index}, attempt {run.attempt}"))
+    for label, at in (
+        ("created", run.created_at),
+        ("started", run.started_at),
+        ("finished", run.finished_at),
+    ):
+        fields.append((label, f"{at:%Y-%m-%d %H:%M:%S %Z}" if at else "-"))
+    fields += [("input", _short(run.input)), ("context", _short(run.context)), ("output", _short(run.output))]
+    if run.error:
+        fields.append(("error", f"{run.error.get('type')}: {run.error.get('message')}"))
+    return fields
+
+
+def _short(value: Any, width: int = 200) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 20] + " ... (--json for all)"
+
+
 # Commands of their own modules, registered on the group here (cli_schedules adds itself).
-from . import cli_observe, cli_ops, cli_schedules  # noqa: E402, F401
+from . import cli_observe, cli_ops, cli_schedules, cli_web  # noqa: E402, F401
 
 for command in (
     cli_observe.status,
@@ -181,5 +297,6 @@ for command in (
     cli_ops.pause,
     cli_ops.resume,
     cli_ops.nodes,
+    cli_web.web,
 ):
     durable.add_command(command)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -50,22 +52,33 @@ def prune(ctx: click.Context) -> None:
     help=f"Only runs in this finished status (repeatable; default all: {', '.join(FINISHED)}).",
 )
 @click.option("--dry-run", is_flag=True, help="Only count what would be deleted; write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="The counts as one JSON object (progress on stderr).")
 @click.pass_context
-def cleanup(ctx: click.Context, older_than: str, statuses: tuple[str, ...], dry_run: bool) -> None:
+def cleanup(
+    ctx: click.Context, older_than: str, statuses: tuple[str, ...], dry_run: bool, as_json: bool
+) -> None:
     """Delete finished runs older than --older-than, with their steps, events and keys."""
     d = durable_of(ctx)
-    found = _or_fail(lambda: d.cleanup(older_than, statuses or None, dry_run=dry_run, progress=click.echo))
-    if dry_run:
+    progress = partial(click.echo, err=True) if as_json else click.echo
+    found = _or_fail(lambda: d.cleanup(older_than, statuses or None, dry_run=dry_run, progress=progress))
+    if as_json:
+        click.echo(json.dumps({**found, "dry_run": dry_run}))
+    elif dry_run:
         click.echo("dry run: nothing was deleted")
     else:
         click.echo(f"done: deleted {found['runs']} run(s)")
 
 
 @click.command(name="queues")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per queue, one a line.")
 @click.pass_context
-def queues_command(ctx: click.Context) -> None:
+def queues_command(ctx: click.Context, as_json: bool) -> None:
     """Per queue: ready, running and waiting runs, the oldest ready run, paused or not."""
     stats = durable_of(ctx).stats.queues()
+    if as_json:
+        for name, entry in stats.items():
+            click.echo(json.dumps({"queue": name, **entry}, default=str))
+        return
     click.echo(f"{'queue':30}  {'ready':>7}  {'running':>7}  {'waiting':>7}  {'paused':6}  oldest ready")
     for name, entry in stats.items():
         oldest = entry["oldest_ready_at"]
@@ -94,10 +107,15 @@ def resume(ctx: click.Context, name: str) -> None:
 
 
 @click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per node, one a line.")
 @click.pass_context
-def nodes(ctx: click.Context) -> None:
+def nodes(ctx: click.Context, as_json: bool) -> None:
     """Worker nodes seen in the last day: queues, pid, draining, started, last seen."""
     found: list[dict[str, Any]] = durable_of(ctx).list_nodes()
+    if as_json:
+        for node in found:
+            click.echo(json.dumps(node, default=str))
+        return
     click.echo(f"{'node':40}  {'pid':>7}  {'draining':8}  {'started':19}  {'seen':19}  queues")
     for node in found:
         click.echo(

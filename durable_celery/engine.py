@@ -62,6 +62,16 @@ class Outcome:
     logs: list[dict[str, Any]] | None = None  # captured log lines, saved on the step row
 
 
+@dataclass
+class MessageResult:
+    """What one step message came to: the status ``execute`` returns and, for an attempt that
+    failed (already recorded), its exception and attempt number (task_states.py reads them)."""
+
+    status: str
+    error: BaseException | None = None
+    attempt: int = 0
+
+
 class Engine:
     """Runs steps for one ``Durable``: the one place where step execution lives."""
 
@@ -92,6 +102,17 @@ class Engine:
     ) -> str:
         """Handle one step (or compensation) message; returns what happened ('completed',
         'dropped', 'fenced', ...)."""
+        return self.execute_with_result(workflow, step, run_id, node, compensate).status
+
+    def execute_with_result(
+        self,
+        workflow: Workflow,
+        step: Step,
+        run_id: str,
+        node: str | None = None,
+        compensate: bool = False,
+    ) -> MessageResult:
+        """``execute``, also giving the exception of an attempt that failed."""
         node = node or f"{self.node}:{threading.get_ident()}"
         with self.db.single() as conn:
             row = queries.claim_run(
@@ -99,7 +120,7 @@ class Engine:
             )
         if row is None:
             log.debug("durable: dropped message for run %s step %s", run_id, step.name)
-            return "dropped"
+            return MessageResult("dropped")
         ctx = RunContext(
             id=row.id,
             workflow=row.workflow,
@@ -123,8 +144,9 @@ class Engine:
         )
         if row.step_name is not None and row.step_name != step.name:
             if known_elsewhere(self.durable, row.workflow, row.step_name):  # a rolling deploy
-                return self._code_elsewhere(step, row)
-            return self._definition_changed(workflow, step, row, ctx, started)
+                return MessageResult(self._code_elsewhere(step, row))
+            changed = DurableError(definition_changed(workflow.name or "", row.step_name)["message"])
+            return MessageResult(self._definition_changed(workflow, step, row, ctx, started), changed)
         # -- observability hook (instrument.py): the attempt's span and log capture --------------
         with instrument.observe_step(self.durable, workflow, ctx, row) as observed:
             outcome = self._call(step, ctx, compensate=compensate)
@@ -132,8 +154,10 @@ class Engine:
         outcome.logs = observed.logs
         # -----------------------------------------------------------------------------------------
         if compensate:
-            return self._record_compensation(workflow, step, row, ctx, outcome, started)
-        return self._record(workflow, step, row, ctx, outcome, started)
+            status = self._record_compensation(workflow, step, row, ctx, outcome, started)
+        else:
+            status = self._record(workflow, step, row, ctx, outcome, started)
+        return MessageResult(status, outcome.error, row.attempt)
 
     def _call(self, step: Step, ctx: RunContext, compensate: bool = False) -> Outcome:
         active = ctx._active
@@ -566,6 +590,10 @@ class Engine:
         if reason == "fenced":
             self.fenced_count += 1
             log.warning("durable: run %s step %s was taken over; result dropped", row.id, step.name)
+            with self.db.begin() as conn:  # seen on the dashboard's Queues & nodes page
+                details = {"step": step.name, "node": self.node, "attempt": row.attempt}
+                kind = "worker_fenced"
+                activity_rows.record_txn(self.db, conn, kind, row.id, row.workflow, row.key, details)
             signals.worker_fenced.send(
                 sender=self.durable, run_id=row.id, workflow=workflow.name, step=step.name
             )
@@ -595,6 +623,7 @@ def _check_json(outcome: Outcome, ctx: RunContext) -> Outcome:
         json.dumps(outcome.value, allow_nan=False)
         json.dumps(ctx.context, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        error = TypeError(f"a step's return value and context must be JSON: {exc}")
-        return Outcome(error=error, logs=outcome.logs)
+        # In place: the caller's outcome carries the error recorded (execute_with_result).
+        outcome.value = None
+        outcome.error = TypeError(f"a step's return value and context must be JSON: {exc}")
     return outcome

@@ -3,8 +3,9 @@
 ``durable.metrics`` holds a registry with two kinds of metrics:
 
 * **counters fed by signals** in the process that runs the steps (``run_finished``,
-  ``stale_recovered``, ``worker_fenced``, and Celery's ``task_failure`` of a step task, which
-  means a step's result could not be recorded: a failed ack);
+  ``stale_recovered``, ``worker_fenced``, and Celery's ``task_failure`` of a step task that
+  raised out of the engine, which means a step's result could not be recorded: a failed ack;
+  a step that failed for good also ends its task in ``FAILURE``, and is not counted);
 * **gauges read from the database at scrape time**, the same from any process: the ready
   backlog and the age of the oldest ready run per workflow, unfinished runs per status, runs
   finished in the last hour per status, stale locks and disabled schedules.
@@ -189,8 +190,11 @@ class DurableMetrics:
         self.worker_fenced.labels(workflow).inc()
 
     def _on_task_failure(self, sender: Any = None, **_: Any) -> None:
+        from .task_states import step_failed
+
         name = getattr(sender, "name", "") or ""
-        if name.startswith("durable.") and getattr(sender, "app", None) is self.durable.app:
+        ours = name.startswith("durable.") and getattr(sender, "app", None) is self.durable.app
+        if ours and not step_failed(sender):  # a failed step is recorded: its FAILURE is no failed ack
             self.ack_failed.labels(name).inc()
 
     def register(self, registry: Any) -> None:

@@ -7,13 +7,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
-
 from .errors import InvalidArgument
 from .models import aware
 from .store import activity_rows, key_rows
 from .store.db import utcnow
-from .store.schema import keys
+from .store.schema import UNFINISHED
 
 if TYPE_CHECKING:
     from .app import Durable
@@ -35,7 +33,8 @@ class Activity:
 
 @dataclass(frozen=True)
 class KeyEntry:
-    """A held key: its holder, how many runs used it, re-adds in the last day."""
+    """A key row: its holder, whether it blocks a new start, runs that used it, re-adds in the
+    last day."""
 
     workflow: str
     key: str
@@ -44,6 +43,9 @@ class KeyEntry:
     waiting_id: str | None
     runs: int
     readds_last_day: int
+    # True while a new start with this key is answered by the holder: it is unfinished, or
+    # finished under a ``reuse`` that keeps the key. False: the next start takes the key.
+    blocks: bool = True
 
 
 def _check_limit(limit: Any) -> int:
@@ -67,11 +69,16 @@ def list_activity(
     return [Activity(r.id, r.kind, r.run_id, r.workflow, r.details, aware(r.at) or r.at) for r in rows]
 
 
-def list_keys(durable: Durable, workflow: str | None = None, limit: int = 1000) -> list[KeyEntry]:
-    """Held keys with their holder, runs per key and re-adds in the last day."""
+def list_keys(
+    durable: Durable, workflow: str | None = None, limit: int = 1000, *, prefix: str | None = None
+) -> list[KeyEntry]:
+    """Held keys with their holder, whether they block a new start, runs per key and re-adds
+    in the last day; ``prefix`` keeps keys that start with it."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise InvalidArgument(f"prefix must be a str, not {prefix!r}")
     since = utcnow() - timedelta(days=1)
     with durable.db.engine.connect() as conn:
-        held = key_rows.list_keys(conn, workflow, _check_limit(limit))
+        held = key_rows.list_keys(conn, workflow, _check_limit(limit), prefix)
         pairs = [(r.workflow, r.key) for r in held]
         used = activity_rows.runs_per_key(conn, workflow, pairs)
         readds = {
@@ -87,9 +94,21 @@ def list_keys(durable: Durable, workflow: str | None = None, limit: int = 1000) 
             r.waiting_id,
             used.get((r.workflow, r.key), 0),
             readds.get((r.workflow, r.key), 0),
+            key_blocks(durable, r.workflow, r.status),
         )
         for r in held
     ]
+
+
+def key_blocks(durable: Durable, workflow: str, holder_status: str) -> bool:
+    """Whether a key whose holder has ``holder_status`` answers a new start of ``workflow``
+    (an unfinished holder always does; a finished one by the workflow's ``reuse``)."""
+    from .keys import reuse_frees
+
+    if holder_status in UNFINISHED:
+        return True
+    known = durable.workflows.get(workflow)
+    return not reuse_frees(known.reuse if known is not None else "after_close", holder_status)
 
 
 @dataclass(frozen=True)
@@ -126,14 +145,12 @@ class Stats:
         self.durable = durable
 
     def keys(self, workflow: str | None = None) -> dict[str, Any]:
-        """Keys held, re-adds by outcome, dropped inputs, hand-offs, re-adds per hour of the
-        last day, and the keys re-added most (over the week activity is kept)."""
+        """Keys held and how many of them block a new start, re-adds by outcome, dropped inputs,
+        hand-offs, re-adds per hour of the last day, and the keys re-added most (over the week
+        activity is kept)."""
         now = utcnow()
         with self.durable.db.engine.connect() as conn:
-            held = select(func.count()).select_from(keys)
-            if workflow is not None:
-                held = held.where(keys.c.workflow == workflow)
-            keys_held = int(conn.execute(held).scalar() or 0)
+            held = key_rows.count_keys_by_holder(conn, workflow)
             entries = activity_rows.key_activity(conn, workflow, now - ACTIVITY_KEPT)
             top = activity_rows.counts_by_key(conn, "key_duplicate", workflow, now - ACTIVITY_KEPT, 10)
         duplicates = [e for e in entries if e.kind == "key_duplicate"]
@@ -143,7 +160,8 @@ class Stats:
             if aware(e.at) >= now - timedelta(days=1)  # type: ignore[operator]
         )
         return {
-            "keys_held": keys_held,
+            "keys_held": sum(int(r.n) for r in held),
+            "blocking": sum(int(r.n) for r in held if key_blocks(self.durable, r.workflow, r.status)),
             "readds": sum(1 for _ in duplicates),
             "readds_by_outcome": dict(Counter(e.details.get("outcome") for e in duplicates)),
             "dropped_inputs": sum(

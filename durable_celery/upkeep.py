@@ -65,7 +65,11 @@ def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
         fail_with = error if lost_for_good else None
 
         def take_back(conn: Connection, run: Any = run, fail_with: Any = fail_with) -> bool:
-            return queries.take_back_stale_txn(db, conn, run, s.stale_lock_timeout, fail_with)
+            if not queries.take_back_stale_txn(db, conn, run, s.stale_lock_timeout, fail_with):
+                return False
+            details = {"locked_by": run.locked_by, "losses": run.losses + 1, "failed": fail_with is not None}
+            activity_rows.record_txn(db, conn, "stale_recovered", run.id, run.workflow, run.key, details)
+            return True
 
         if lost_for_good:
             ended = "compensation_failed" if run.status == "compensating" else "failed"

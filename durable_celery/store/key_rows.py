@@ -167,13 +167,32 @@ def release_key_txn(conn: Connection, run_id: str) -> bool:
     return conn.execute(delete(keys).where(keys.c.holder_id == run_id)).rowcount == 1
 
 
-def list_keys(conn: Connection, workflow: str | None, limit: int) -> Sequence[Any]:
-    """Held keys with their holder's status, newest first."""
+def list_keys(conn: Connection, workflow: str | None, limit: int, prefix: str | None = None) -> Sequence[Any]:
+    """Key rows with their holder's status, newest first; ``prefix`` keeps keys starting with it
+    (``%`` and ``_`` in it are plain characters)."""
     query = (
         select(keys.c.workflow, keys.c.key, keys.c.holder_id, runs.c.status, keys.c.waiting_id)
         .join(runs, runs.c.id == keys.c.holder_id)
         .order_by(keys.c.taken_at.desc())
         .limit(limit)
+    )
+    if workflow is not None:
+        query = query.where(keys.c.workflow == workflow)
+    if prefix:
+        # SQLite's LIKE ignores ASCII case; the substr test keeps the match exact on both.
+        query = query.where(
+            keys.c.key.startswith(prefix, autoescape=True),
+            func.substr(keys.c.key, 1, len(prefix)) == prefix,
+        )
+    return conn.execute(query).all()
+
+
+def count_keys_by_holder(conn: Connection, workflow: str | None) -> Sequence[Any]:
+    """Key rows counted per workflow and holder status (``workflow``, ``status``, ``n``)."""
+    query = (
+        select(keys.c.workflow, runs.c.status, func.count().label("n"))
+        .join(runs, runs.c.id == keys.c.holder_id)
+        .group_by(keys.c.workflow, runs.c.status)
     )
     if workflow is not None:
         query = query.where(keys.c.workflow == workflow)

@@ -370,6 +370,7 @@ def stale_runs(db: Database, conn: Connection, stale_after: float, limit: int) -
             runs.c.losses,
             runs.c.status,
             runs.c.parent_id,
+            runs.c.locked_by,
         )
         .where(
             runs.c.locked_by.is_not(None),

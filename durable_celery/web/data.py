@@ -1,0 +1,376 @@
+"""What each dashboard page shows, as plain data: the HTML pages and the JSON API share it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, fields, is_dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidArgument
+from ..models import Run, aware
+from ..observe import KeyEntry, key_blocks
+from ..store import activity_rows, observe_rows
+from ..store.db import masked_url, utcnow
+from ..store.schema import UNFINISHED
+from ..waits import INPUT, INTERNAL
+from . import queries
+
+if TYPE_CHECKING:
+    from ..app import Durable
+
+RUN_ID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+SECRET_WORDS = ("password", "secret", "token")
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with dataclasses, datetimes and rows turned into JSON types."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
+
+
+def check_limit(value: Any, default: int = 50, most: int = 500) -> int:
+    """A page size from a query string: a positive int, at most ``most``."""
+    if value in (None, ""):
+        return default
+    try:
+        limit = int(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"limit must be a positive number, not {value!r}") from None
+    if limit < 1:
+        raise InvalidArgument(f"limit must be a positive number, not {value!r}")
+    return min(limit, most)
+
+
+def check_page(value: Any) -> int:
+    """A 1-based page number from a query string."""
+    try:
+        return max(1, int(value or 1))
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"page must be a number, not {value!r}") from None
+
+
+def check_status(value: Any) -> str | None:
+    """A status filter: empty or one of the statuses."""
+    if not value:
+        return None
+    if value not in queries.STATUSES:
+        raise InvalidArgument(f"unknown status {value!r}; one of {', '.join(queries.STATUSES)}")
+    return str(value)
+
+
+# -- overview --------------------------------------------------------------------------------
+
+
+def overview(durable: Durable) -> dict[str, Any]:
+    """Runs per status, ready backlog per workflow and queue, failures of the last hour, nodes,
+    paused queues and the schema state."""
+    db, now = durable.db, utcnow()
+    with db.engine.connect() as conn:
+        counts = queries.status_counts(conn)
+        ready = observe_rows.ready_by_workflow(db, conn)
+        failed = queries.failed_since(conn, now - timedelta(hours=1))
+        stale = observe_rows.stale_lock_count(db, conn, durable.settings.stale_lock_timeout)
+    queue_list = queues_data(durable)
+    return {
+        "runs": counts,
+        "count_cap": queries.COUNT_CAP,
+        "ready_by_workflow": [
+            {"workflow": r.workflow, "ready": int(r.ready), "oldest": aware(r.oldest)} for r in ready
+        ],
+        "queues": queue_list["queues"],
+        "failed_last_hour": failed,
+        "stale_locks": stale,
+        "nodes": queue_list["nodes"],
+        "paused_queues": [q["name"] for q in queue_list["queues"] if q["paused"]],
+        "schema": schema_state(durable),
+    }
+
+
+def schema_state(durable: Durable) -> dict[str, Any]:
+    """Pending migrations, or the error that kept them from being read."""
+    try:
+        pending = durable.pending_migrations()
+    except Exception as exc:  # a database the dashboard cannot read: say so on the page
+        return {"up_to_date": False, "pending": [], "error": f"{type(exc).__name__}: {exc}"}
+    return {"up_to_date": not pending, "pending": pending, "error": None}
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+
+def parse_search(q: str, known: list[str]) -> dict[str, Any]:
+    """A search box's text as filters: ``key:<key>``, a run id, or a workflow name."""
+    q = q.strip()
+    if not q:
+        return {}
+    if q.startswith("key:"):
+        return {"key": q[4:]}
+    if RUN_ID.match(q):
+        return {"run_id": q.lower()}
+    if q in known:
+        return {"workflow": q}
+    return {"key": q}
+
+
+def runs_page(durable: Durable, params: dict[str, Any]) -> dict[str, Any]:
+    """One page of runs by workflow, status, key or search text, newest first."""
+    limit, page = check_limit(params.get("limit")), check_page(params.get("page"))
+    status = check_status(params.get("status"))
+    workflow, key = params.get("workflow") or None, params.get("key") or None
+    with durable.db.engine.connect() as conn:
+        known = sorted(set(queries.workflow_names(conn)) | set(durable.workflows))
+        found = parse_search(params.get("q") or "", known)
+        if "run_id" in found:
+            exists = queries.run_exists(conn, found["run_id"])
+            return {"run_id": found["run_id"] if exists else None, "runs": [], "workflows": known}
+        workflow, key = found.get("workflow", workflow), found.get("key", key)
+        rows = queries.page_of_runs(
+            conn,
+            workflow=workflow,
+            status=status,
+            key=key,
+            workflows=known,
+            limit=limit + 1,
+            offset=(page - 1) * limit,
+        )
+    return {
+        "runs": [Run.from_row(r) for r in rows[:limit]],
+        "more": len(rows) > limit,
+        "page": page,
+        "limit": limit,
+        "filters": {"workflow": workflow, "status": status, "key": key, "q": params.get("q") or ""},
+        "workflows": known,
+    }
+
+
+def run_detail(durable: Durable, run_id: str) -> dict[str, Any]:
+    """A run with its steps, events, pending input, family, activity and key view."""
+    run = durable.get_run(run_id)
+    steps = durable.list_steps(run_id)
+    with durable.db.engine.connect() as conn:
+        events = [dict(r._mapping) for r in queries.events_of_run(conn, run_id)]
+        brief = queries.run_brief(conn, [run.parent_id or "", run.runs_after_id or ""])
+        key = key_view(durable, conn, run)
+    return {
+        "run": run,
+        "steps": [dict(asdict(s), duration=_seconds(s.started_at, s.finished_at)) for s in steps],
+        "events": events,
+        "waiting_for": _waiting_for(durable, run_id),
+        "children": durable.list_children(run_id, limit=200),
+        "parent": brief.get(run.parent_id or ""),
+        "runs_after": brief.get(run.runs_after_id or ""),
+        "activity": durable.activity(run_id=run_id, limit=100),
+        "key": key,
+    }
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float | None:
+    return None if start is None or end is None else round((end - start).total_seconds(), 3)
+
+
+def _waiting_for(durable: Durable, run_id: str) -> dict[str, Any] | None:
+    """What a waiting run waits for: an input (give it on the page) or an event, and until when."""
+    with durable.db.engine.connect() as conn:
+        row = queries.wait_of_run(conn, run_id)
+    if row is None or row.status != "waiting" or not row.wait_name:
+        return None
+    until = aware(row.wait_until)
+    if row.wait_name.startswith(INPUT):
+        return {"kind": "input", "name": row.wait_name[len(INPUT) :], "until": until}
+    if row.wait_name.startswith(INTERNAL):
+        return {"kind": "timer", "name": row.wait_name[len(INTERNAL) :], "until": until}
+    return {"kind": "event", "name": row.wait_name, "until": until}
+
+
+def key_view(durable: Durable, conn: Any, run: Run) -> dict[str, Any] | None:
+    """The run's key: who holds it, the run waiting behind it, re-adds answered by this run
+    (each dropped input as a diff against the run's input), hand-offs and releases."""
+    if run.key is None:
+        return None
+    row = queries.key_row(conn, run.workflow, run.key)
+    decisions = queries.key_decisions_of_run(conn, run.id)
+    history = queries.key_history(conn, run.workflow, run.key)
+    readds = [_readd(run, d) for d in decisions if d.kind == "key_duplicate"]
+    waiting_id = row.waiting_id if row is not None else None
+    brief = queries.run_brief(conn, [waiting_id or ""])
+    return {
+        "key": run.key,
+        "holds": row is not None and row.holder_id == run.id,
+        "holder_id": row.holder_id if row is not None else None,
+        "holder_status": row.status if row is not None else None,
+        "blocks": row is not None and key_blocks(durable, run.workflow, row.status),
+        "waiting": brief.get(waiting_id or ""),
+        "waiting_id": waiting_id,
+        "runs_after_id": run.runs_after_id,
+        "readds": len(readds),
+        "readd_entries": readds,
+        "dropped": [r for r in readds if r["dropped"]],
+        "history": [_entry(h) for h in history],
+    }
+
+
+def _readd(run: Run, row: Any) -> dict[str, Any]:
+    details = row.details or {}
+    dropped = details.get("outcome") in ("use_existing", "error") and bool(details.get("input_changed"))
+    return {
+        "at": aware(row.at),
+        "outcome": details.get("outcome"),
+        "policy": details.get("policy"),
+        "input_changed": bool(details.get("input_changed")),
+        "dropped": dropped,
+        "input": details.get("input"),
+        "diff": input_diff(run.input, details.get("input")) if dropped else [],
+    }
+
+
+def _entry(row: Any) -> dict[str, Any]:
+    return {
+        "kind": row.kind,
+        "run_id": row.run_id,
+        "workflow": row.workflow,
+        "key": row.key,
+        "details": row.details,
+        "at": aware(row.at),
+    }
+
+
+def input_diff(base: Any, other: Any) -> list[dict[str, Any]]:
+    """Fields where ``other`` differs from ``base``: added, removed or changed."""
+    if not isinstance(base, dict) or not isinstance(other, dict):
+        return [] if base == other else [{"field": "", "change": "changed", "run": base, "dropped": other}]
+    diff = []
+    for name in sorted(set(base) | set(other)):
+        if name not in base:
+            diff.append({"field": name, "change": "added", "run": None, "dropped": other[name]})
+        elif name not in other:
+            diff.append({"field": name, "change": "removed", "run": base[name], "dropped": None})
+        elif base[name] != other[name]:
+            diff.append({"field": name, "change": "changed", "run": base[name], "dropped": other[name]})
+    return diff
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+def keys_data(durable: Durable, workflow: str | None, prefix: str | None, limit: int = 200) -> dict[str, Any]:
+    """Key rows (holder, whether it blocks a start, waiting run, re-adds in the last day) and
+    the keys re-added most this week."""
+    now = utcnow()
+    with durable.db.engine.connect() as conn:
+        rows = queries.page_of_keys(conn, workflow or None, prefix or None, limit)
+        pairs = [(r.workflow, r.key) for r in rows]
+        used = activity_rows.runs_per_key(conn, workflow, pairs)
+        readds = queries.readds_per_key(conn, pairs, now - timedelta(days=1))
+        top = queries.top_readded(conn, workflow or None, now - timedelta(days=7))
+    entries = [
+        KeyEntry(
+            r.workflow,
+            r.key,
+            r.holder_id,
+            r.status,
+            r.waiting_id,
+            used.get((r.workflow, r.key), 0),
+            readds.get((r.workflow, r.key), 0),
+            key_blocks(durable, r.workflow, r.status),
+        )
+        for r in rows
+    ]
+    return {
+        "keys": entries,
+        "top": [{"workflow": t.workflow, "key": t.key, "readds": int(t.n)} for t in top],
+        "filters": {"workflow": workflow or "", "prefix": prefix or ""},
+        "limit": limit,
+    }
+
+
+def workflow_data(durable: Durable, name: str) -> dict[str, Any]:
+    """A workflow: its definition (when known here), recent runs and its keys."""
+    known = durable.workflows.get(name)
+    recent = durable.list_runs(workflow=name, limit=20)
+    definition = None
+    if known is not None:
+        definition = {
+            "reuse": known.reuse,
+            "on_duplicate": str(known.on_duplicate),
+            "key": known.key if isinstance(known.key, str) else None,
+            "steps": [s.name for s in known.steps],
+        }
+    return {"name": name, "definition": definition, "runs": recent, "keys": keys_data(durable, name, None)}
+
+
+# -- queues, schedules, settings ----------------------------------------------------------------
+
+
+def queues_data(durable: Durable) -> dict[str, Any]:
+    """Per queue: counts, paused, its live consumers (flagged when ready runs have none);
+    nodes; recoveries and fenced workers of the last day."""
+    stats = durable.stats.queues()
+    nodes = durable.list_nodes()
+    now = utcnow()
+    live_after = now - timedelta(seconds=durable.settings.stale_lock_timeout)
+    for node in nodes:
+        seen = aware(node.get("seen_at"))
+        node["live"] = seen is not None and seen >= live_after and not node.get("draining")
+    queue_list = []
+    for name, entry in stats.items():
+        consumers = [n["name"] for n in nodes if n["live"] and name in (n.get("queues") or [])]
+        no_consumer = entry["ready"] > 0 and not consumers and not entry["paused"]
+        queue_list.append(dict(entry, name=name, consumers=consumers, no_consumer=no_consumer))
+    with durable.db.engine.connect() as conn:
+        since = now - timedelta(days=1)
+        troubles = queries.count_activity(conn, queries.RECOVERY_KINDS, since)
+        recent = [_entry(r) for r in queries.recent_activity(conn, queries.RECOVERY_KINDS, since)]
+    return {"queues": queue_list, "nodes": nodes, "recoveries": troubles, "recent": recent}
+
+
+def schedules_data(durable: Durable) -> dict[str, Any]:
+    """Every schedule: key, next fire, last outcome, failures in a row, enabled."""
+    try:
+        return {"schedules": durable.list_schedules(), "error": None}
+    except Exception as exc:  # e.g. RedBeat's Redis down: the page says so instead of failing
+        return {"schedules": [], "error": f"{type(exc).__name__}: {exc}"}
+
+
+def settings_data(durable: Durable) -> dict[str, Any]:
+    """Effective settings (secrets masked), the schema state and the prune rules."""
+    shown = {}
+    for field in fields(durable.settings):
+        shown[field.name] = mask_setting(field.name, getattr(durable.settings, field.name))
+    return {
+        "settings": shown,
+        "schema": schema_state(durable),
+        "prune": dict(durable.settings.prune or {}),
+        "prune_interval": durable.settings.prune_interval,
+        "database": durable.db.masked_url,
+        "broker": masked_url(str(durable.app.conf.broker_url or "")),
+    }
+
+
+def mask_setting(name: str, value: Any) -> Any:
+    """A setting as the page may show it: URLs without passwords, secrets as ``***``."""
+    if value is None:
+        return None
+    if any(word in name.lower() for word in SECRET_WORDS):
+        return "***"
+    if name.endswith("url") and isinstance(value, str):
+        return masked_url(value)
+    if isinstance(value, (str, int, float, bool, list, dict)):
+        return jsonable(value)
+    return type(value).__name__
+
+
+def unfinished(status: str) -> bool:
+    """Whether a status is not final."""
+    return status in UNFINISHED
