@@ -369,3 +369,26 @@ def test_web_command_takes_the_token_from_the_environment(
         and served["port"] == 5557
         and served["app"].state.dashboard.token is None
     )
+
+
+def test_queues_page_lists_stale_take_backs_of_the_day(scene: Scene) -> None:
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from durable_celery.store.db import utcnow
+    from durable_celery.store.schema import runs
+    from durable_celery.upkeep import sweep_stale_once
+
+    d = scene.durable
+    # What a worker that vanished mid-step leaves: the run locked, its heartbeat an hour old.
+    with d.db.begin() as conn:
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == scene.held)
+            .values(status="running", locked_by="ghost-node:1", heartbeat_at=utcnow() - timedelta(hours=1))
+        )
+    assert sweep_stale_once(d)[0] == [scene.held]
+    page = client(scene).get("/queues").text
+    assert "stale_recovered" in page and scene.held in page and "ghost-node:1" in page
+    assert client(scene).get("/api/queues").json()["recoveries"]["stale_recovered"] == 1
