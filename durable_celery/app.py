@@ -221,9 +221,9 @@ class Durable:
         run is written in the caller's open transaction and goes out after their commit.
         """
         wf = self._resolve(workflow)
-        data = check_input(input)
+        data = check_input(input, self.settings.max_input_bytes)
         run_key = wf.derive_key(data, key)
-        policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate)
+        policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate, wf)
         run = self._new_run(wf, data, run_key)
         tracing.stamp_run(self, wf, run)  # the run's trace (tracing.py)
         if connection is not None:
@@ -235,6 +235,9 @@ class Durable:
         return decision.run_id
 
     def _new_run(self, wf: Workflow, data: dict[str, Any], key: str | None) -> dict[str, Any]:
+        """A new run's row; InvalidStart if a step cannot take ``data`` (every path that makes
+        a run comes here before it writes: start, rerun, children, schedule fires)."""
+        wf.check_fits(data)
         run = {
             "id": new_run_id(),
             "workflow": wf.name,
@@ -357,7 +360,12 @@ class Durable:
         return control.cancel(self, run_id)
 
     def retry(self, run_id: str) -> str:
-        """Resume a failed run from its failed step; KeyTaken if a newer run keeps its key."""
+        """Resume a failed run from its failed step; KeyTaken if a newer run keeps its key,
+        InvalidStart if its input no longer fits the workflow's steps."""
+        run = self.get_run(run_id)
+        workflow = self.workflows.get(run.workflow)
+        if workflow is not None:
+            workflow.check_fits(run.input)  # the steps changed since it started: retrying cannot help
         return control.retry(self, run_id)
 
     def rerun(self, run_id: str) -> str:

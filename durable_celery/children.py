@@ -130,7 +130,7 @@ def _prepare(
     context: Mapping[str, Any] | None,
 ) -> tuple[Workflow, dict[str, Any]]:
     wf = durable._resolve(workflow)
-    data = check_input(input)
+    data = check_input(input, durable.settings.max_input_bytes)
     child = durable._new_run(wf, data, wf.derive_key(data, key))
     child.update(parent_id=run.id, parent_ref=ref, context=dict(context or {}))
     return wf, child

@@ -285,7 +285,7 @@ def _short(value: Any, width: int = 200) -> str:
 
 
 # Commands of their own modules, registered on the group here (cli_schedules adds itself).
-from . import cli_observe, cli_ops, cli_schedules, cli_web  # noqa: E402, F401
+from . import cli_observe, cli_ops, cli_schedules, cli_vacuum, cli_web  # noqa: E402, F401
 
 for command in (
     cli_observe.status,
@@ -298,5 +298,6 @@ for command in (
     cli_ops.resume,
     cli_ops.nodes,
     cli_web.web,
+    cli_vacuum.tune_vacuum,
 ):
     durable.add_command(command)

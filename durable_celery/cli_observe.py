@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from .errors import DurableError
+from .pg_health import table_lines
 
 
 def _durable(ctx: click.Context) -> Any:
@@ -58,6 +59,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo(
             f"node {node['name']}  {state}  queues {queues}  seen {_age(node['seen_seconds_ago'])} ago"
         )
+    click.echo("")
+    for line in table_lines(info["tables"], d.db.is_postgres):
+        click.echo(line)
 
 
 def _age(seconds: float) -> str:
@@ -101,15 +105,24 @@ def doctor(ctx: click.Context, fix: bool, as_json: bool) -> None:
 
 @click.command()
 @click.option("--port", default=9808, show_default=True, help="Port of the /metrics endpoint.")
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--addr",
+    default=None,
+    help="Address to listen on; 0.0.0.0 opens it to every interface.  "
+    "[default: the metrics_addr setting, 127.0.0.1]",
+)
 @click.pass_context
-def metrics(ctx: click.Context, port: int, addr: str) -> None:
+def metrics(ctx: click.Context, port: int, addr: str | None) -> None:
     """Serve the database gauges on http://ADDR:PORT/metrics until stopped (Ctrl+C)."""
+    from .metrics import metrics_url
+
+    d = _durable(ctx)
+    addr = d.settings.metrics_addr if addr is None else addr
     try:
-        server = _durable(ctx).metrics.start_http_server(port, addr)
+        server = d.metrics.start_http_server(port, addr)
     except DurableError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"serving durable metrics on http://{addr}:{server.server_port}/metrics", err=True)
+    click.echo(f"serving durable metrics on {metrics_url(addr, server.server_port)}", err=True)
     try:
         while True:
             time.sleep(3600)

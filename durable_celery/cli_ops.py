@@ -43,7 +43,11 @@ def prune(ctx: click.Context) -> None:
 
 
 @click.command()
-@click.option("--older-than", required=True, help="Age of finished runs to delete: 30d, 12h, 90m, 45s, 2w.")
+@click.option(
+    "--older-than",
+    required=True,
+    help="Age of finished runs to delete: 30d, 12h, 90m, 45s, 2w, or a number of seconds (30).",
+)
 @click.option(
     "--status",
     "-s",

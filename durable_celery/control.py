@@ -6,9 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 
-from . import signals
+from . import signals, tracing
+from .definition import check_input
 from .errors import InvalidArgument, KeyContended, KeyTaken, NoKey, NotFinished, RunNotFound
-from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees
+from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees, start_run
 from .store import activity_rows, child_rows, event_rows, key_rows, queries
 from .store.schema import FINISHED, UNFINISHED, runs
 from .waits import INPUT, check_event
@@ -126,12 +127,21 @@ def _retake_key_txn(
 
 
 def rerun(durable: Durable, run_id: str) -> str:
-    """Start a fresh copy of a finished run (same input and key); KeyTaken if the key is held."""
+    """Start a fresh copy of a finished run (same input and key); KeyTaken if the key is held.
+
+    Held means by any holder: a debounced run waiting out its period is refused like the rest,
+    never handed the old run's input (a rerun is not one more save in a burst)."""
     with durable.db.engine.connect() as conn:
         run = _run(conn, run_id)
     if run.status not in FINISHED:
         raise NotFinished(f"run {run_id} is {run.status}")
-    return durable.start(run.workflow, run.input, key=run.key, on_duplicate="error")
+    workflow = durable._resolve(run.workflow)
+    data = check_input(run.input, durable.settings.max_input_bytes)  # as start checks it
+    fresh = durable._new_run(workflow, data, workflow.derive_key(data, run.key))
+    tracing.stamp_run(durable, workflow, fresh)
+    decision = start_run(durable, workflow, fresh, "error", fold=False)
+    decision.after_commit(durable)
+    return decision.run_id
 
 
 def release_key(durable: Durable, run_id: str, by: str | None = None) -> None:

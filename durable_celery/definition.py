@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidDefinition, InvalidKey, InvalidStart
@@ -16,6 +17,9 @@ REUSE = ("after_close", "after_failure", "never")
 ON_DUPLICATE = ("use_existing", "error", "cancel_existing", "run_again")
 IDEMPOTENCY = ("optional", "required", "off")
 MAX_KEY_BYTES = 255
+# Levels of nested mappings and lists an input may have (the input itself is level 1): deeper
+# input is refused at start, before the JSON encoder or a driver recurses into it.
+MAX_INPUT_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -33,11 +37,19 @@ class SendEvent:
             )
 
 
-def check_on_duplicate(value: Any) -> str | SendEvent:
-    """Return ``value`` if it is a valid ``on_duplicate`` policy, else raise."""
-    if isinstance(value, SendEvent) or value in ON_DUPLICATE:
-        return value  # type: ignore[no-any-return]
-    raise InvalidDefinition(f"on_duplicate must be one of {ON_DUPLICATE} or SendEvent(name), not {value!r}")
+def check_on_duplicate(value: Any, workflow: Workflow | None = None) -> str | SendEvent:
+    """Return ``value`` if it is a valid ``on_duplicate`` policy (for one start of ``workflow``,
+    when given), else raise InvalidDefinition."""
+    if not (isinstance(value, SendEvent) or value in ON_DUPLICATE):
+        raise InvalidDefinition(
+            f"on_duplicate must be one of {ON_DUPLICATE} or SendEvent(name), not {value!r}"
+        )
+    if workflow is not None and value == "run_again" and workflow.reuse == "never":
+        # The run left waiting could never take the key: the holder keeps it when it ends.
+        raise InvalidDefinition(
+            f"on_duplicate='run_again' cannot work with reuse='never' (workflow {workflow.name!r})"
+        )
+    return value  # type: ignore[no-any-return]
 
 
 def check_key(key: Any) -> str | None:
@@ -49,24 +61,111 @@ def check_key(key: Any) -> str | None:
     try:
         size = len(key.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise InvalidKey("a key must be valid UTF-8") from exc
+        raise InvalidKey(
+            f"a key must be valid UTF-8: {key!r} has a lone surrogate at character {exc.start}"
+        ) from exc
     if not 1 <= size <= MAX_KEY_BYTES:
         raise InvalidKey(f"a key must be 1 to {MAX_KEY_BYTES} UTF-8 bytes, got {size}")
+    if "\x00" in key:
+        raise InvalidKey(f"a key must not contain a NUL character (\\x00): {key!r}; remove it")
     return key
 
 
-def check_input(data: Any) -> dict[str, Any]:
-    """Return the run input as a dict of JSON values, or raise InvalidStart."""
+def check_input(data: Any, max_bytes: int | None = None) -> dict[str, Any]:
+    """Return the run input as a dict of JSON values, or raise InvalidStart.
+
+    Refused: anything but a mapping with str field names; values JSON cannot hold; text with a
+    NUL character or a lone surrogate (neither PostgreSQL nor UTF-8 can store them); nesting
+    deeper than ``MAX_INPUT_DEPTH``; more than ``max_bytes`` bytes of JSON (when given).
+    """
     if data is None:
         return {}
     if not isinstance(data, Mapping):
         raise InvalidStart(f"a run's input must be a mapping of keyword arguments, not {type(data).__name__}")
     if not all(isinstance(k, str) for k in data):
         raise InvalidStart("a run's input must have str keys")
+    _check_values(data)
     try:
-        return json.loads(json.dumps(dict(data), allow_nan=False))  # type: ignore[no-any-return]
+        text = json.dumps(dict(data), allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise InvalidStart(f"a run's input must be JSON: {exc}") from exc
+    if max_bytes is not None:
+        size = len(text.encode("utf-8"))
+        if size > max_bytes:
+            raise InvalidStart(
+                f"a run's input is {size:,} bytes as JSON, over max_input_bytes ({max_bytes:,}): keep "
+                "large data elsewhere (a file, a table) and pass its name or id"
+            )
+    return json.loads(text)  # type: ignore[no-any-return]
+
+
+def _check_values(data: Mapping[str, Any]) -> None:
+    """Walk the input once, without recursion: depth, and text PostgreSQL and UTF-8 can store."""
+    pending: list[tuple[Any, int, str]] = [(data, 1, "input")]
+    while pending:
+        value, depth, where = pending.pop()
+        if depth > MAX_INPUT_DEPTH:
+            shown = where if len(where) <= 60 else where[:60] + "..."
+            raise InvalidStart(
+                f"a run's input is nested more than {MAX_INPUT_DEPTH} levels deep (at {shown}) or "
+                "refers to itself; flatten it"
+            )
+        items = value.items() if isinstance(value, Mapping) else enumerate(value)
+        for name, item in items:
+            if isinstance(name, str) and isinstance(value, Mapping):
+                _check_text(name, f"field name {name!r} in {where}")
+            if isinstance(item, str):
+                _check_text(item, f"{where}[{name!r}]")
+            elif isinstance(item, (Mapping, list, tuple)):
+                pending.append((item, depth + 1, f"{where}[{name!r}]"))
+
+
+def _check_text(text: str, where: str) -> None:
+    if "\x00" in text:
+        raise InvalidStart(f"{where} contains a NUL character (\\x00), which cannot be stored; remove it")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidStart(
+            f"{where} has a lone surrogate at character {exc.start}, which is not valid UTF-8; "
+            "decode the text it came from with errors='replace', or drop that character"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """The input fields one function takes as keyword arguments, read from its signature."""
+
+    who: str  # what the error names: "step 'fetch'", "compensation 'refund' of step 'charge'"
+    names: frozenset[str]
+    required: frozenset[str]
+    any_field: bool  # it has **kwargs
+
+
+def accepts_of(fn: Callable[..., Any], who: str) -> list[Accepts]:
+    """What ``fn`` accepts (empty when it has no signature to read: then it is not checked).
+
+    Positional-only parameters cannot come from the input: without a default they make the
+    function impossible to call, so they are refused here (InvalidDefinition).
+    """
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables
+        return []
+    names, required, any_field = set(), set(), False
+    for param in params:
+        if param.kind is param.VAR_KEYWORD:
+            any_field = True
+        elif param.kind is param.POSITIONAL_ONLY and param.default is param.empty:
+            raise InvalidDefinition(
+                f"{who} has a positional-only parameter {param.name!r}, but it gets the run's input "
+                "as keyword arguments: remove the '/' or give the parameter a default"
+            )
+        elif param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            names.add(param.name)
+            if param.default is param.empty:
+                required.add(param.name)
+    return [Accepts(who, frozenset(names), frozenset(required), any_field)]
 
 
 @dataclass
@@ -83,6 +182,8 @@ class Step:
     backoff: float | None = None
     # Attempts a compensation gets, in all (its own count, apart from the step's).
     compensate_retry: int = 3
+    # What the step (and its compensation, or its parallel branches) take of the input.
+    accepts: list[Accepts] = field(default_factory=list, repr=False)
 
     @property
     def task_name(self) -> str:
@@ -180,6 +281,10 @@ class Workflow:
         if any(s.name == step_name for s in self.steps):
             raise InvalidDefinition(f"workflow {self.name!r} already has a step {step_name!r}")
         _check_step_options(retry, compensate, compensate_retry, timeout, backoff)
+        accepts = accepts_of(fn, f"step {step_name!r}")
+        if compensate is not None:
+            who = f"compensation {getattr(compensate, '__name__', 'function')!r} of step {step_name!r}"
+            accepts += accepts_of(compensate, who)
         step = Step(
             fn=fn,
             name=step_name,
@@ -191,6 +296,7 @@ class Workflow:
             backoff=backoff,
             compensate_retry=compensate_retry,
             workflow_name=self.name,
+            accepts=accepts,
         )
         self.steps.append(step)
         if self.durable is not None:
@@ -244,6 +350,12 @@ class Workflow:
             run.context.update(parallel(run, calls, fail_fast, context=run.context))
 
         self._add_step(fan_out, group, 1, queue, None, None, None)
+        # Each branch gets the run's input: the fan-out step accepts what every branch accepts.
+        self.steps[-1].accepts = [
+            replace(accepts, who=f"parallel branch {name!r} of step {group!r}")
+            for name, branch in branches.items()
+            for accepts in branch.steps[0].accepts
+        ]
 
     def __call__(self, fn: Callable[..., Any]) -> Workflow:
         """Decorate a function: it becomes the first step, and names the workflow if unnamed."""
@@ -292,11 +404,32 @@ class Workflow:
                 try:
                     key = self.key.format(**data)
                 except (KeyError, IndexError, AttributeError) as exc:
+                    self.check_fits(data)  # a step that needs the field says so first
                     raise InvalidKey(f"key template {self.key!r} needs {exc} in the input") from exc
         key = check_key(key)
         if key is None and self.idempotency == "required":
             raise InvalidStart(f"workflow {self.name!r} requires a key")
         return key
+
+    def check_fits(self, data: Mapping[str, Any]) -> None:
+        """Raise InvalidStart unless every step (and compensation) can be called with ``data``
+        as keyword arguments: no field it does not take, none it needs missing."""
+        fields = data.keys()
+        for step in self.steps:
+            for accepts in step.accepts:
+                missing = sorted(accepts.required - fields)
+                if missing:
+                    raise InvalidStart(
+                        f"workflow {self.name!r}: {accepts.who} needs input field {missing[0]!r}, which "
+                        "the input lacks; add it to the input, or give the parameter a default"
+                    )
+                unexpected = [] if accepts.any_field else sorted(fields - accepts.names)
+                if unexpected:
+                    raise InvalidStart(
+                        f"workflow {self.name!r}: {accepts.who} takes no input field {unexpected[0]!r} "
+                        "(every step gets the whole input as keyword arguments); remove it from the "
+                        "input, or add the parameter or **kwargs to the step"
+                    )
 
     def compensation_before(self, index: int) -> Step | None:
         """The nearest step before ``index`` that has a compensation (they run in reverse)."""

@@ -20,6 +20,8 @@ Findings (``Finding.kind``):
 * ``no_consumer``: ready runs on a queue that no live worker node consumes (seen within
   ``stale_lock_timeout``, not draining) and that is not paused: start a worker with ``-Q`` and
   that queue. One finding per queue, with the count and the oldest ready time.
+* ``dead_tuples``, ``vacuum_overdue``, ``long_transaction``: PostgreSQL's upkeep falling behind
+  (see ``pg_health``); not fixable here.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import pg_health
 from .models import aware
 from .store import child_rows, doctor_rows, node_rows, observe_rows, queue_rows
 from .store.db import utcnow
@@ -81,6 +84,7 @@ def diagnose(durable: Durable) -> list[Finding]:
         disabled = observe_rows.disabled_schedules(conn)
         orphans = child_rows.orphans(conn, LIMIT)
         unconsumed = _unconsumed(durable, conn)
+        upkeep = pg_health.findings(db, conn)
     found = [
         _run_finding(
             "waiting_unwakeable", r, "waiting with no timer and nothing to wait for", wait=r.wait_name
@@ -135,6 +139,7 @@ def diagnose(durable: Durable) -> list[Finding]:
         )
         for r in unconsumed
     ]
+    found += [Finding(kind=i.kind, message=i.message, details=i.details) for i in upkeep]
     return found
 
 
@@ -187,7 +192,8 @@ def doctor(durable: Durable, fix: bool = False) -> list[Finding]:
 
 
 def summary(durable: Durable) -> dict[str, Any]:
-    """Runs per status, the ready backlog and its oldest run, stale locks, nodes, schedules."""
+    """Runs per status, the ready backlog and its oldest run, stale locks, nodes, schedules, and
+    on PostgreSQL the busy tables' sizes and dead rows."""
     db, s = durable.db, durable.settings
     with db.engine.connect() as conn:
         by_status = observe_rows.count_by_status(conn)
@@ -197,6 +203,7 @@ def summary(durable: Durable) -> dict[str, Any]:
         disabled = observe_rows.disabled_schedules(conn)
         per_workflow = observe_rows.unfinished_by_workflow(conn)
         unconsumed = _unconsumed(durable, conn)
+        tables = pg_health.table_figures(db, conn)
     now = utcnow()
     due = [d for d in (aware(r.oldest) for r in ready) if d is not None]
     oldest = min(due, default=None)
@@ -221,4 +228,5 @@ def summary(durable: Durable) -> dict[str, Any]:
             }
             for n in nodes
         ],
+        "tables": tables,
     }

@@ -372,6 +372,7 @@ class Engine:
                 "context": ctx.context,
                 "finished_at": Clock(),
                 "due_at": None,
+                "losses": 0,  # losses count for the step in progress; a run that ended has none
             }
             return values, "completed"
         if outcome.error is None:
@@ -415,6 +416,7 @@ class Engine:
             "error": error_record(outcome.error),
             "finished_at": Clock(),
             "due_at": None,
+            "losses": 0,
         }
         return values, "failed"
 
@@ -450,7 +452,12 @@ class Engine:
             step_row.update(status="completed", output=_json_or_none(outcome.value))
             before = workflow.compensation_before(step.index)
             if before is None:
-                run_values: dict[str, Any] = {"status": "compensated", "finished_at": Clock(), "due_at": None}
+                run_values: dict[str, Any] = {
+                    "status": "compensated",
+                    "finished_at": Clock(),
+                    "due_at": None,
+                    "losses": 0,
+                }
             else:
                 run_values = {"step_index": before.index, "step_name": before.name, "attempt": 1, "losses": 0}
                 run_values["queue"] = queue_of(self.durable, workflow, before.index)
@@ -466,7 +473,12 @@ class Engine:
                     "published": False,
                 }
             else:
-                run_values = {"status": "compensation_failed", "finished_at": Clock(), "due_at": None}
+                run_values = {
+                    "status": "compensation_failed",
+                    "finished_at": Clock(),
+                    "due_at": None,
+                    "losses": 0,
+                }
         status = run_values.get("status", "compensating")
         recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
         if not recorded:
@@ -501,7 +513,7 @@ class Engine:
             "started_at": started,
             "finished_at": utcnow(),
         }
-        values = {"status": "failed", "error": error, "finished_at": Clock(), "due_at": None}
+        values = {"status": "failed", "error": error, "finished_at": Clock(), "due_at": None, "losses": 0}
         recorded, fence_now = self._write(workflow, row, "failed", values, step_row)
         if not recorded:
             return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))

@@ -72,9 +72,12 @@ class KeyDecision:
         workflow: Workflow,
         run: dict[str, Any],
         policy: str | SendEvent,
+        fold: bool = True,
     ) -> None:
         self.durable, self.db, self.conn = durable, durable.db, conn
         self.workflow, self.run, self.policy = workflow, run, policy
+        # A debounced workflow folds a start into its unclaimed holder; a rerun never does.
+        self.fold = fold
         self.name: str = workflow.name or ""
         self.key: str = run["key"]
 
@@ -110,7 +113,7 @@ class KeyDecision:
                 return self._answer(holder, "use_existing")
             return self._refuse(holder)
         unclaimed = holder.status == "pending" and holder.started_at is None
-        if self.workflow.debounce and unclaimed and self._take_input(holder, debounce=True):
+        if self.fold and self.workflow.debounce and unclaimed and self._take_input(holder, debounce=True):
             return self._answer(holder, "debounced")
         if isinstance(self.policy, SendEvent):
             return self._send_event(holder, self.policy.name)
@@ -320,13 +323,16 @@ def settle_waiting_txn(
     )
 
 
-def start_run(durable: Durable, workflow: Workflow, run: dict[str, Any], policy: str | SendEvent) -> Decision:
+def start_run(
+    durable: Durable, workflow: Workflow, run: dict[str, Any], policy: str | SendEvent, fold: bool = True
+) -> Decision:
     """Start a run in a transaction of its own: a new run or free key in one statement when it
-    can (PostgreSQL), else the full decision."""
+    can (PostgreSQL), else the full decision. ``fold=False`` (a rerun): a debounced holder not
+    yet claimed answers by ``policy`` too, instead of taking this start's input."""
     db = durable.db
     if not db.is_postgres:
         with db.begin() as conn:
-            return decide_start_txn(durable, conn, workflow, run, policy)
+            return decide_start_txn(durable, conn, workflow, run, policy, fold=fold)
     with db.single() as conn:
         if run["key"] is None:
             queries.insert_run_txn(db, conn, run)
@@ -346,7 +352,7 @@ def start_run(durable: Durable, workflow: Workflow, run: dict[str, Any], policy:
                 }
                 return Decision(holder_id, notices=[(signals.key_duplicate, notice)])
         with db.then_transaction(conn):  # the key is held: decide on the same connection
-            return decide_start_txn(durable, conn, workflow, run, policy, key_seen_held=True)
+            return decide_start_txn(durable, conn, workflow, run, policy, key_seen_held=True, fold=fold)
 
 
 def _created(workflow: Workflow, run: dict[str, Any]) -> Decision:
@@ -366,12 +372,13 @@ def decide_start_txn(
     run: dict[str, Any],
     policy: str | SendEvent,
     key_seen_held: bool = False,
+    fold: bool = True,
 ) -> Decision:
     """Insert a new run, or answer from the holder of its key; the caller commits."""
     if run["key"] is None:
         queries.insert_run_txn(durable.db, conn, run)
         return _created(workflow, run)
-    decision = KeyDecision(durable, conn, workflow, run, policy).decide(key_seen_held)
+    decision = KeyDecision(durable, conn, workflow, run, policy, fold).decide(key_seen_held)
     if decision.created:
         started = {"run_id": decision.run_id, "workflow": workflow.name, "key": run["key"]}
         decision.notices.insert(0, (signals.run_started, started))

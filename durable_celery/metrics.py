@@ -8,20 +8,26 @@
   a step that failed for good also ends its task in ``FAILURE``, and is not counted);
 * **gauges read from the database at scrape time**, the same from any process: the ready
   backlog and the age of the oldest ready run per workflow, unfinished runs per status, runs
-  finished in the last hour per status, stale locks and disabled schedules.
+  finished in the last hour per status, stale locks and disabled schedules. A read is reused
+  for ``METRICS_CACHE_SECONDS``, so scrapes in quick succession (several Prometheus servers,
+  a dashboard) cost the database nothing more.
 
 Serve them with ``durable.metrics.start_http_server(9808)``, with the ``metrics_port`` setting
 (each worker serves them while it runs), or with ``celery -A app durable metrics --port
-9808`` (database gauges only: the counters live in the workers). Under the prefork pool the
-steps run in child processes: set ``PROMETHEUS_MULTIPROC_DIR`` so the children's counters are
-merged into what the worker serves.
+9808`` (database gauges only: the counters live in the workers). Each listens on the
+``metrics_addr`` setting, ``127.0.0.1`` unless opened up. Under the prefork pool the steps run
+in child processes: set ``PROMETHEUS_MULTIPROC_DIR`` so the children's counters are merged into
+what the worker serves.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from celery import signals as celery_signals
@@ -38,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("durable_celery")
 
 RECENT = 3600.0  # the window of durable_runs_finished_recent, seconds
+# A scrape this soon after the last database read is served from it: 5 queries per read.
+METRICS_CACHE_SECONDS = 5.0
 
 
 def _client() -> Any:
@@ -50,40 +58,80 @@ def _client() -> Any:
     return prometheus_client
 
 
-class DatabaseCollector:
-    """Gauges computed from the database each time the registry is scraped."""
+@dataclass(frozen=True)
+class DatabaseRows:
+    """What one read of the database gives the gauges."""
 
-    def __init__(self, durable: Durable) -> None:
+    ready: Sequence[Any]
+    unfinished: Sequence[Any]
+    recent: Sequence[Any]
+    stale: int
+    disabled: int
+
+
+class DatabaseCollector:
+    """Gauges from the database, read at scrape time and reused for ``cache_seconds``."""
+
+    def __init__(self, durable: Durable, cache_seconds: float = METRICS_CACHE_SECONDS) -> None:
         self.durable = durable
+        self.cache_seconds = cache_seconds
+        self._lock = threading.Lock()  # concurrent scrapes wait for one read instead of each reading
+        self._read_at: float | None = None  # time.monotonic() of the last read, None: read next time
+        self._rows: DatabaseRows | None = None  # None: the last read failed
+        self._failing = False
 
     def describe(self) -> list[Any]:
         """No metrics up front, so registering never touches the database."""
         return []
 
+    def invalidate(self) -> None:
+        """Make the next scrape read the database, however recent the last read."""
+        with self._lock:
+            self._read_at = None
+
     def collect(self) -> Iterator[Any]:
-        """Read the backlog, statuses, stale locks and schedules; one gauge family each."""
+        """The backlog, statuses, stale locks and schedules; one gauge family each."""
         from prometheus_client.core import GaugeMetricFamily
 
-        up = GaugeMetricFamily("durable_database_up", "1 if the last scrape could read the database")
-        try:
-            families = self._read(GaugeMetricFamily)
-        except Exception:  # a scrape during a database restart reports it instead of failing
-            log.exception("durable metrics: reading the database failed")
-            up.add_metric([], 0)
-            yield up
-            return
-        up.add_metric([], 1)
+        rows = self._cached_rows()
+        up = GaugeMetricFamily("durable_database_up", "1 if the last read of the database succeeded")
+        up.add_metric([], 0 if rows is None else 1)
         yield up
-        yield from families
+        if rows is not None:
+            yield from self._families(rows, GaugeMetricFamily)
 
-    def _read(self, gauge: Any) -> list[Any]:
+    def _cached_rows(self) -> DatabaseRows | None:
+        with self._lock:
+            if self._read_at is None or time.monotonic() - self._read_at >= self.cache_seconds:
+                self._rows = self._read_or_none()
+                self._read_at = time.monotonic()
+            return self._rows
+
+    def _read_or_none(self) -> DatabaseRows | None:
+        try:
+            rows = self._read()
+        except Exception:  # a scrape during a database restart reports it instead of failing
+            if not self._failing:  # once per outage, not once per scrape
+                log.exception("durable metrics: reading the database failed")
+            self._failing = True
+            return None
+        if self._failing:
+            log.info("durable metrics: reading the database works again")
+        self._failing = False
+        return rows
+
+    def _read(self) -> DatabaseRows:
         durable, db = self.durable, self.durable.db
         with db.engine.connect() as conn:
-            ready = observe_rows.ready_by_workflow(db, conn)
-            unfinished = observe_rows.unfinished_by_workflow(conn)
-            recent = observe_rows.finished_since(db, conn, RECENT)
-            stale = observe_rows.stale_lock_count(db, conn, durable.settings.stale_lock_timeout)
-            disabled = observe_rows.disabled_schedules(conn)
+            return DatabaseRows(
+                ready=observe_rows.ready_by_workflow(db, conn),
+                unfinished=observe_rows.unfinished_by_workflow(conn),
+                recent=observe_rows.finished_since(db, conn, RECENT),
+                stale=observe_rows.stale_lock_count(db, conn, durable.settings.stale_lock_timeout),
+                disabled=len(observe_rows.disabled_schedules(conn)),
+            )
+
+    def _families(self, rows: DatabaseRows, gauge: Any) -> list[Any]:
         now = utcnow()
         backlog = gauge("durable_ready_runs", "Runs due and waiting for a worker", labels=["workflow"])
         oldest = gauge(
@@ -91,12 +139,12 @@ class DatabaseCollector:
             "How long the oldest ready run has been waiting for a worker",
             labels=["workflow"],
         )
-        for row in ready:
+        for row in rows.ready:
             backlog.add_metric([row.workflow], row.ready)
             oldest.add_metric([row.workflow], max(0.0, (now - _aware(row.oldest)).total_seconds()))
         runs = gauge("durable_runs", "Unfinished runs per workflow and status", labels=["workflow", "status"])
-        counted = {(r.workflow, r.status): r.n for r in unfinished}
-        for workflow in sorted({w for w, _ in counted} | set(durable.workflows)):
+        counted = {(r.workflow, r.status): r.n for r in rows.unfinished}
+        for workflow in sorted({w for w, _ in counted} | set(self.durable.workflows)):
             for status in UNFINISHED:
                 runs.add_metric([workflow, status], counted.get((workflow, status), 0))
         finished = gauge(
@@ -104,12 +152,12 @@ class DatabaseCollector:
             f"Runs that finished in the last {int(RECENT)} s, per workflow and final status",
             labels=["workflow", "status"],
         )
-        for row in recent:
+        for row in rows.recent:
             finished.add_metric([row.workflow, row.status], row.n)
         stale_gauge = gauge("durable_stale_locks", "Runs locked by a worker that stopped heart-beating")
-        stale_gauge.add_metric([], stale)
+        stale_gauge.add_metric([], rows.stale)
         schedules = gauge("durable_schedules_disabled", "Cron schedules turned off")
-        schedules.add_metric([], len(disabled))
+        schedules.add_metric([], rows.disabled)
         return [backlog, oldest, runs, finished, stale_gauge, schedules]
 
 
@@ -214,7 +262,9 @@ class DurableMetrics:
         return bytes(_client().generate_latest(self.registry))
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        """One sample's current value (e.g. ``value("durable_ready_runs", {"workflow": "x"})``)."""
+        """One sample's current value (e.g. ``value("durable_ready_runs", {"workflow": "x"})``),
+        the database gauges read afresh."""
+        self.collector.invalidate()
         found = self.registry.get_sample_value(name, labels or {})
         return None if found is None else float(found)
 
@@ -231,12 +281,20 @@ class DurableMetrics:
         merged.register(self.collector)
         return merged
 
-    def start_http_server(self, port: int, addr: str = "0.0.0.0") -> Any:
-        """Serve ``/metrics`` on ``port`` from a daemon thread; returns the HTTP server."""
+    def start_http_server(self, port: int, addr: str | None = None) -> Any:
+        """Serve ``/metrics`` on ``addr:port`` (``addr`` defaults to the ``metrics_addr`` setting,
+        ``127.0.0.1``) from a daemon thread; returns the HTTP server."""
+        addr = self.durable.settings.metrics_addr if addr is None else addr
         started = _client().start_http_server(port, addr=addr, registry=self.serving_registry())
         server = self.server = started[0] if isinstance(started, tuple) else started
-        log.info("durable: metrics on http://%s:%s/metrics", addr, getattr(server, "server_port", port))
+        log.info("durable: metrics on %s", metrics_url(addr, getattr(server, "server_port", port)))
         return server
+
+
+def metrics_url(addr: str, port: int) -> str:
+    """The /metrics URL of a server listening on ``addr:port`` (an IPv6 address in brackets)."""
+    host = f"[{addr}]" if ":" in addr else addr
+    return f"http://{host}:{port}/metrics"
 
 
 class Endpoint:
@@ -247,8 +305,8 @@ class Endpoint:
         self.port = port
 
     def start(self) -> None:
-        """Start serving."""
-        self.durable.metrics.start_http_server(self.port)
+        """Start serving on the ``metrics_addr`` setting."""
+        self.durable.metrics.start_http_server(self.port, self.durable.settings.metrics_addr)
 
     def stop(self) -> None:
         """Stop serving."""

@@ -30,12 +30,14 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 _UNITS = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
+_SECONDS = re.compile(r"\d+(?:\.\d+)?")  # a bare number is seconds, in text too (``--older-than 30``)
 
 Progress = Callable[[str], None]
 
 
 def parse_duration(value: Any, what: str = "duration") -> timedelta:
-    """A positive duration from a timedelta, seconds, or text like ``30d``, ``12h``, ``1d6h``."""
+    """A positive duration from a timedelta, seconds (a number, or text like ``30``), or text like
+    ``30d``, ``12h``, ``1d6h``."""
     seconds: float | None = None
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -43,11 +45,13 @@ def parse_duration(value: Any, what: str = "duration") -> timedelta:
         seconds = float(value)
     elif isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
-        if text and _PART.sub("", text) == "":
+        if _SECONDS.fullmatch(text):
+            seconds = float(text)
+        elif text and _PART.sub("", text) == "":
             seconds = sum(float(n) * _UNITS[u] for n, u in _PART.findall(text))
     if seconds is None:
         raise InvalidArgument(
-            f"{what} must be a timedelta, a number of seconds or text like '30d', '12h', '90m', "
+            f"{what} must be a timedelta, a number of seconds (30) or text like '30d', '12h', '90m', "
             f"'45s' or '2w', not {value!r}"
         )
     if not seconds > 0 or seconds == float("inf"):

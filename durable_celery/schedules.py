@@ -108,7 +108,8 @@ def _definition(
 ) -> tuple[Any, dict[str, Any]]:
     """Check a schedule's parts (nothing written) and return (Celery schedule, fire kwargs)."""
     wf = durable._resolve(workflow)
-    data = check_input(input)
+    data = check_input(input, durable.settings.max_input_bytes)
+    wf.check_fits(data)  # a fire would be refused: refuse the schedule now
     run_key = wf.derive_key(data, key)
     sched, text = parse_schedule(durable.app, cron)
     if name is None:

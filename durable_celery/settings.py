@@ -44,11 +44,14 @@ class Settings:
     tracer_provider: Any = None
     # Serve Prometheus metrics on this port from each worker while it runs.
     metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"  # where metrics are served; "0.0.0.0" opens them to the network
     schedule_pickup_timeout: float = 900.0
     schedule_max_failures: int = 5
     # Retention (off by default): rule -> age, rules "completed", "cancelled", "failed" (prune.py).
     prune: Mapping[str, Any] | None = None
     prune_interval: float = 3600.0
+    # A start whose input is larger than this as JSON (UTF-8 bytes) is refused (InvalidStart).
+    max_input_bytes: int = 1_000_000
 
     def __repr__(self) -> str:
         shown = []
@@ -97,8 +100,20 @@ class Settings:
         limit = settings.schedule_max_failures
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
+        _check_max_input_bytes(settings.max_input_bytes)
+        _check_metrics_addr(settings.metrics_addr)
         settings = replace(settings, prune=check_prune_rules(settings.prune))
         if settings.database_url is None:
             path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
             settings = replace(settings, database_url=f"sqlite:///{path}")
         return settings
+
+
+def _check_metrics_addr(addr: Any) -> None:
+    if not isinstance(addr, str) or not addr.strip():
+        raise InvalidDefinition(f"metrics_addr must be an address to listen on, not {addr!r}")
+
+
+def _check_max_input_bytes(size: Any) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise InvalidDefinition(f"max_input_bytes must be a positive int of bytes, not {size!r}")

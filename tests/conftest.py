@@ -1,11 +1,24 @@
 """Fixtures: a fresh PostgreSQL database per test (cloned from a migrated template), a Redis
-broker, and the embedded SQLite default; the behaviour suite runs on both backends."""
+broker, and the embedded SQLite default; the behaviour suite runs on both backends.
+
+The suite is a good neighbour on shared servers: it drops only databases it created (the
+session's template ``durable_test_template_<hex>`` and each test's clone) and flushes nothing.
+Its broker is a ``redis-server`` of its own on a spare port, started for the session's first test
+outside ``tests/unit`` and stopped at the end, unless ``DURABLE_TEST_REDIS`` names one to use.
+"""
 
 from __future__ import annotations
 
 import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -15,9 +28,26 @@ from celery import Celery
 
 from durable_celery import Durable
 
+
+def _spare_port() -> int:
+    """A port in 20000-29999 that nothing listens on now; below the ephemeral range, so no client
+    socket takes it before the server starts on it."""
+    for port in random.sample(range(20000, 30000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999 for the test redis-server")
+
+
 PG_HOST = os.environ.get("DURABLE_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
-REDIS_URL = os.environ.get("DURABLE_TEST_REDIS", "redis://127.0.0.1:6379/9")
-TEMPLATE = os.environ.get("DURABLE_TEST_TEMPLATE", "durable_test_template")
+# Tests import REDIS_URL: it is fixed here, and the private server starts on this port later.
+PRIVATE_REDIS_PORT = None if os.environ.get("DURABLE_TEST_REDIS") else _spare_port()
+REDIS_URL = os.environ.get("DURABLE_TEST_REDIS") or f"redis://127.0.0.1:{PRIVATE_REDIS_PORT}/0"
+TEMPLATE = os.environ.get("DURABLE_TEST_TEMPLATE") or f"durable_test_template_{uuid.uuid4().hex[:10]}"
+UNIT_TESTS = Path(__file__).resolve().parent / "unit"
 
 # Settings that make tests quick: a fast waker, fast heartbeats, short backoffs.
 FAST = {
@@ -34,23 +64,109 @@ def _admin() -> psycopg.Connection[Any]:
 
 
 @pytest.fixture(scope="session")
-def pg_template() -> str:
-    """A database migrated once; every test clones it (fails, never skips, without a server)."""
+def pg_template() -> Iterator[str]:
+    """A database of this session's, migrated once and dropped at the end; every test clones it
+    (fails, never skips, without a server)."""
     with _admin() as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {TEMPLATE}")
-    durable = Durable(Celery("template", broker="memory://"), f"{PG_HOST}/{TEMPLATE}", upkeep=False)
-    durable.migrate()
-    durable.db.dispose()
-    return TEMPLATE
+        try:
+            conn.execute(f"CREATE DATABASE {TEMPLATE}")
+        except psycopg.errors.DuplicateDatabase:
+            pytest.fail(
+                f"database {TEMPLATE} exists already at {PG_HOST}: the suite drops only what it creates; "
+                "drop it if it is a leftover, or name another with DURABLE_TEST_TEMPLATE",
+                pytrace=False,
+            )
+    try:
+        durable = Durable(Celery("template", broker="memory://"), f"{PG_HOST}/{TEMPLATE}", upkeep=False)
+        durable.migrate()
+        durable.db.dispose()
+        yield TEMPLATE
+    finally:
+        with _admin() as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
+
+
+class PrivateRedis:
+    """A ``redis-server`` without persistence on ``port``, in a folder of its own, stopped on
+    exit, and by a watchdog if this process dies without exiting (killed, say)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.folder = Path(tempfile.mkdtemp(prefix="durable-test-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.watchdog: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> PrivateRedis:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self.folder), "--logfile", str(self.folder / "redis.log")]
+        try:
+            self.proc = subprocess.Popen(["redis-server", *args])
+        except FileNotFoundError:
+            self.__exit__()
+            pytest.fail(
+                "no redis-server on the PATH: install Redis, or set DURABLE_TEST_REDIS", pytrace=False
+            )
+        # The watchdog waits for EOF on its stdin, a pipe only we hold: it comes when we close it
+        # or when this process dies, however it dies; then it stops the server.
+        stop = f"read -r _; kill {self.proc.pid} 2>/dev/null"
+        self.watchdog = subprocess.Popen(["sh", "-c", stop], stdin=subprocess.PIPE)
+        deadline = time.monotonic() + 15
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = f"the test redis-server on 127.0.0.1:{self.port} did not start: {self._log()}"
+                self.__exit__()
+                pytest.fail(why, pytrace=False)
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.watchdog is not None:  # it stops the server while that is still our child
+            assert self.watchdog.stdin is not None
+            self.watchdog.stdin.close()
+            self.watchdog.wait(10)
+            self.watchdog = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            self.proc = None
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _answers(self) -> bool:
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
+        try:
+            return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+        finally:
+            client.close()
+
+    def _log(self) -> str:
+        log = self.folder / "redis.log"
+        return log.read_text(errors="replace")[-1000:] if log.exists() else "(no log)"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def redis_server(request: pytest.FixtureRequest) -> Iterator[str]:
+    """REDIS_URL, up: the private server, started when this session runs a test outside
+    tests/unit (those need no servers), or DURABLE_TEST_REDIS's, used as it is."""
+    items = request.session.items
+    if PRIVATE_REDIS_PORT is None or all(Path(item.path).is_relative_to(UNIT_TESTS) for item in items):
+        yield REDIS_URL
+        return
+    with PrivateRedis(PRIVATE_REDIS_PORT):
+        yield REDIS_URL
 
 
 @pytest.fixture(scope="session")
-def redis_client() -> redis.Redis:
-    """The test broker's Redis, emptied once per session."""
-    client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
-    return client
+def redis_client(redis_server: str) -> Iterator[redis.Redis]:
+    """A client of the test broker's Redis; never flushed (a private server starts empty)."""
+    client = redis.Redis.from_url(redis_server)
+    client.ping()  # fails, never skips, without a server
+    yield client
+    client.close()
 
 
 @pytest.fixture

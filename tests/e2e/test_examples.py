@@ -21,10 +21,14 @@ import psycopg
 import pytest
 import redis
 
+from tests.conftest import PRIVATE_REDIS_PORT, REDIS_URL
+
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED_DEMO = Path(__file__).with_name("demo_output.txt")
 PG_HOST = os.environ.get("DURABLE_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
-SHOP_REDIS = os.environ.get("DURABLE_TEST_SHOP_REDIS", "redis://127.0.0.1:6379/11")
+# The suite's own Redis (database 11 of it), unless DURABLE_TEST_SHOP_REDIS names another.
+SHOP_REDIS_GIVEN = os.environ.get("DURABLE_TEST_SHOP_REDIS")
+SHOP_REDIS = SHOP_REDIS_GIVEN or REDIS_URL.rsplit("/", 1)[0] + "/11"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -86,14 +90,16 @@ def shop_database() -> Iterator[str]:
 
 
 @pytest.fixture
-def shop_broker() -> Iterator[str]:
-    """The shop's Redis database, emptied before and after."""
+def shop_broker(redis_server: str) -> Iterator[str]:
+    """The shop's Redis database: one of the suite's own server, emptied afterwards; one of a
+    server given with DURABLE_TEST_SHOP_REDIS or DURABLE_TEST_REDIS is left as it is."""
     client = redis.Redis.from_url(SHOP_REDIS, socket_connect_timeout=5)
-    client.flushdb()
+    client.ping()
     try:
         yield SHOP_REDIS
     finally:
-        client.flushdb()
+        if not SHOP_REDIS_GIVEN and PRIVATE_REDIS_PORT is not None:
+            client.flushdb()  # a database of the server this session started
         client.close()
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,8 +16,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import insert, update
+from celery import Celery
+from sqlalchemy import event, insert, update
 
+from durable_celery import Durable
 from durable_celery.store import queries
 from durable_celery.store.db import utcnow
 from durable_celery.store.schema import runs, schedules
@@ -181,13 +185,11 @@ def test_cli_serves_database_gauges(make_durable, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     command = [sys.executable, "-m", "celery", "-A", "metricsapp", "durable", "metrics"]
-    process = subprocess.Popen(
-        [*command, "--port", "0", "--addr", "127.0.0.1"], env=env, stderr=subprocess.PIPE, text=True
-    )
+    process = subprocess.Popen([*command, "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stderr is not None
         line = process.stderr.readline()
-        assert "serving durable metrics on http://127.0.0.1:" in line, line
+        assert "serving durable metrics on http://127.0.0.1:" in line, line  # the default address
         port = int(line.rsplit(":", 1)[1].split("/")[0])
         text = scrape(port)
     finally:
@@ -205,6 +207,8 @@ def test_a_worker_serves_metrics_on_the_metrics_port_and_bad_ports_are_refused(m
 
     with pytest.raises(InvalidDefinition, match="metrics_port"):
         make_durable("badport", metrics_port="9808")
+    with pytest.raises(InvalidDefinition, match="metrics_addr"):
+        make_durable("badaddr", metrics_port=0, metrics_addr="")
     durable = make_durable(metrics_port=0)  # 0: any free port, for the test
     wf = durable.workflow("served")
 
@@ -216,6 +220,7 @@ def test_a_worker_serves_metrics_on_the_metrics_port_and_bad_ports_are_refused(m
     with worker(durable):
         wait_for(durable, run_id)
         text = scrape(durable.metrics.server.server_port)
+        assert durable.metrics.server.server_address[0] == "127.0.0.1"  # not the network, by default
     assert durable.metrics.server is None  # stopped with the worker
     assert 'durable_runs_finished_total{status="failed",workflow="served"} 1.0' in text
     mine = CollectorRegistry()
@@ -223,3 +228,90 @@ def test_a_worker_serves_metrics_on_the_metrics_port_and_bad_ports_are_refused(m
     assert (
         mine.get_sample_value("durable_runs_finished_total", {"workflow": "served", "status": "failed"}) == 1
     )
+
+
+class StatementCount:
+    """Statements sent on an engine while it listens (any thread, e.g. the HTTP server's)."""
+
+    def __init__(self, engine):
+        self.engine, self.n = engine, 0
+
+    def __enter__(self):
+        event.listen(self.engine, "before_cursor_execute", self._count)
+        return self
+
+    def __exit__(self, *_):
+        event.remove(self.engine, "before_cursor_execute", self._count)
+
+    def _count(self, *_args, **_kwargs):
+        self.n += 1
+
+    def during(self, action) -> int:
+        before = self.n
+        action()
+        return self.n - before
+
+
+@postgres_only
+def test_scrapes_within_the_cache_window_run_no_sql_and_later_ones_read_again(make_durable):
+    durable = make_durable()
+    wf = durable.workflow("cached", queue=f"nobody-{uuid.uuid4().hex[:6]}")
+
+    @wf.step
+    def later():
+        return None
+
+    durable.start(wf)
+    server = durable.metrics.start_http_server(0)
+    port, texts = server.server_port, []
+    try:
+        with StatementCount(durable.db.engine) as statements:
+            assert statements.during(lambda: texts.append(scrape(port))) == 5  # one read: five queries
+            durable.start(wf)
+            assert statements.during(lambda: texts.append(scrape(port))) == 0  # within 5 s: the same read
+            durable.metrics.collector.cache_seconds = 0.2  # a short window, instead of a long sleep
+            time.sleep(0.3)
+            assert statements.during(lambda: texts.append(scrape(port))) == 5
+    finally:
+        server.shutdown()
+    assert ['durable_ready_runs{workflow="cached"} 1.0' in t for t in texts] == [True, True, False]
+    assert 'durable_ready_runs{workflow="cached"} 2.0' in texts[2]
+    assert durable.metrics.value("durable_ready_runs", {"workflow": "cached"}) == 2  # value() reads afresh
+
+
+def _refused(addr: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(5)
+        return sock.connect_ex((addr, port)) != 0
+
+
+@postgres_only
+def test_endpoints_listen_on_127_0_0_1_unless_metrics_addr_opens_them(make_durable):
+    # On Linux all of 127/8 is this machine: a server on 0.0.0.0 would answer 127.0.0.2 too.
+    server = make_durable().metrics.start_http_server(0)
+    try:
+        assert server.socket.getsockname()[0] == "127.0.0.1"
+        assert not _refused("127.0.0.1", server.server_port)
+        assert _refused("127.0.0.2", server.server_port)
+    finally:
+        server.shutdown()
+    server = make_durable("elsewhere", metrics_addr="127.0.0.2").metrics.start_http_server(0)
+    try:
+        assert server.socket.getsockname()[0] == "127.0.0.2"
+        assert not _refused("127.0.0.2", server.server_port)
+        assert _refused("127.0.0.1", server.server_port)
+    finally:
+        server.shutdown()
+
+
+def test_an_unreachable_database_reads_as_down_and_is_logged_once_per_outage(caplog):
+    app = Celery("down", broker="memory://")
+    durable = Durable(app, "postgresql://postgres@127.0.0.1:1/nothing_listens", upkeep=False)
+    durable.metrics.collector.cache_seconds = 0  # every scrape tries the database
+    with caplog.at_level(logging.ERROR, logger="durable_celery"):
+        for _ in range(3):
+            exposition = durable.metrics.exposition().decode()
+            assert "durable_database_up 0.0" in exposition
+            assert "durable_ready_runs" not in exposition
+    assert [r.message for r in caplog.records].count("durable metrics: reading the database failed") == 1
+    durable.db.dispose()

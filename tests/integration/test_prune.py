@@ -216,7 +216,7 @@ def test_bad_prune_rules_are_refused(make_durable, rules):
 
 @pytest.mark.parametrize(
     ("older_than", "statuses"),
-    [("30", None), ("-3d", None), ("", None), ("3x", None), (0, None), ("30d", ["bogus"]), ("30d", [""])],
+    [("1e3", None), ("-3d", None), ("", None), ("3x", None), (0, None), ("30d", ["bogus"]), ("30d", [""])],
 )
 def test_bad_cleanup_arguments_write_nothing(durable, older_than, statuses):
     wf = define(durable)

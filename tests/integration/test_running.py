@@ -109,7 +109,7 @@ def test_last_attempt_fails_the_run_with_type_message_and_traceback(durable):
         raise ValueError(f"no such street: {street}")
 
     @wf.step
-    def never():
+    def never(**_):  # every step gets the whole input
         raise AssertionError("must not run")
 
     run_id = durable.start(wf, {"street": "Nowhere 1"})
