@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import control, observe, schedule_fires, schedules, tracing, transport
+from . import beat, control, observe, schedule_fires, schedules, tracing, transport
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -85,6 +85,7 @@ class Durable:
                 self.settings.heartbeat_interval,
             )
         self._use_embedded_broker_if_unset()
+        beat.default_loop_interval(app)  # run-time schedules are seen within seconds
         self._setup_watching()
         app._durable = self  # type: ignore[attr-defined]
         from . import broker_reconnect, rollout, upkeep

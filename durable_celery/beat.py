@@ -23,6 +23,18 @@ log = logging.getLogger("durable_celery")
 
 SCHEDULER_PATH = "durable_celery.beat:DurableScheduler"
 
+#: Seconds beat sleeps at most when nothing is due, unless the app sets ``beat_max_loop_interval``.
+LOOP_INTERVAL = 5.0
+
+
+def default_loop_interval(app: Any) -> None:
+    """Have beat look for new run-time schedules every few seconds: left unset, Celery and RedBeat
+    sleep up to 300 s while nothing is due, so ``durable.schedule()`` would fire up to 5 minutes
+    late. A value the app sets (before or after) is kept; RedBeat's lock timeout, unless set,
+    follows as 5 x this interval."""
+    if not app.conf.get("beat_max_loop_interval"):  # Celery's own default is 0: "unset"
+        app.conf.beat_max_loop_interval = LOOP_INTERVAL
+
 
 class DurableScheduler(PersistentScheduler):
     """Celery's persistent scheduler that also runs durable run-time schedules from the database."""

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from dataclasses import asdict
 from typing import Any
 
 import click
+import psycopg
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from .app import STATUSES, Durable
-from .errors import DurableError, NotConfigured
+from .app_argument import app_argument, given_app
+from .errors import DatabaseUnavailable, DurableError, NotConfigured
 from .key_report import blocks_new_starts
 
 
@@ -19,13 +23,120 @@ def durable_of(ctx: click.Context) -> Durable:
     app = ctx.obj.app if ctx.obj is not None else None
     durable = getattr(app, "_durable", None)
     if durable is None:
-        raise click.ClickException(
-            str(NotConfigured("the app given with -A has no Durable(app); create one in its module"))
-        )
+        if given_app() is None:
+            raise NotConfigured(f"no -A given: run `celery -A yourmodule durable {ctx.info_name} ...`")
+        raise NotConfigured("the app given with -A has no Durable(app); create one in its module")
     return durable
 
 
-@click.group(name="durable")
+class ErrorBoundary(click.Group):
+    """A group whose commands turn a database that cannot be used (down, wrong URL, unmigrated)
+    and every DurableError into ``durable: <what happened>`` and a hint on stderr, exit 1;
+    ``--traceback`` shows the whole traceback instead."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            if not isinstance(exc.__cause__, (DatabaseUnavailable, NotConfigured, SQLAlchemyError)):
+                raise
+            self._fail(ctx, exc, exc.__cause__)
+        except (DurableError, SQLAlchemyError, psycopg.Error) as exc:
+            self._fail(ctx, exc, exc)
+
+    def _fail(self, ctx: click.Context, exc: BaseException, cause: BaseException) -> None:
+        if ctx.meta.get("durable.traceback"):
+            click.echo("".join(traceback.format_exception(exc)).rstrip(), err=True)
+        else:
+            what, *fix = explain(cause, _masked_url(ctx))
+            click.echo(f"durable: {what}", err=True)
+            for line in fix:
+                click.echo(line, err=True)
+        ctx.exit(1)
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        """Register ``cmd`` and accept ``--traceback`` after its name too."""
+        if not any(param.name == "traceback" for param in cmd.params):
+            cmd.params.append(_traceback_option())
+        super().add_command(cmd, name)
+
+
+TRACEBACK_HELP = "On an error, show the whole traceback instead of one line and a fix."
+
+
+def _want_traceback(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.meta["durable.traceback"] = True
+
+
+def _traceback_option() -> click.Option:
+    return click.Option(
+        ["--traceback"],
+        is_flag=True,
+        expose_value=False,
+        is_eager=True,
+        callback=_want_traceback,
+        help=TRACEBACK_HELP,
+    )
+
+
+def _masked_url(ctx: click.Context) -> str:
+    app = ctx.obj.app if ctx.obj is not None else None
+    db = getattr(getattr(app, "_durable", None), "db", None)
+    return getattr(db, "masked_url", None) or "the database"
+
+
+def explain(error: BaseException, url: str) -> list[str]:
+    """What happened (one line) and, when there is one, what to do (a line starting "fix:")."""
+    if isinstance(error, DatabaseUnavailable):
+        return [f"database unavailable at {error.url} ({error.reason})", f"fix: {_unavailable_fix(error)}"]
+    if isinstance(error, NotConfigured):
+        return [str(error)]
+    reason = _first_line(error)
+    if isinstance(error, DurableError):
+        return [reason]
+    if _schema_missing(error):
+        return [
+            f"the database at {url} has no durable schema, or an old one ({reason})",
+            f"fix: run `celery -A {app_argument()} durable migrate`",
+        ]
+    if isinstance(error, ArgumentError):  # a URL SQLAlchemy cannot use (parsed after the import)
+        return [f"cannot use the database URL {url} ({reason})", "fix: use postgresql://... or sqlite:///..."]
+    return [f"database error at {url}: {reason}", "fix: --traceback (before or after the command) for more"]
+
+
+def _unavailable_fix(error: DatabaseUnavailable) -> str:
+    reason = error.reason
+    if "database" in reason and "does not exist" in reason:
+        return "create that database (createdb NAME) or fix the database name in the URL"
+    if ("role" in reason and "does not exist" in reason) or "authentication failed" in reason:
+        return "check the user and password in the URL given to Durable(app, ...)"
+    return "check that the server is running and reachable from this host, and the host and port in the URL"
+
+
+def _first_line(error: BaseException) -> str:
+    original = getattr(error, "orig", None) or error
+    lines = str(original).strip().splitlines()
+    return (lines[0].strip() if lines else type(original).__name__)[:200]
+
+
+def _schema_missing(error: BaseException) -> bool:
+    """A missing table or column: the schema was never migrated, or is behind this code."""
+    original = getattr(error, "orig", None)
+    if isinstance(original, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
+        return True
+    text = str(original or error)
+    return "no such table" in text or "no such column" in text
+
+
+@click.group(name="durable", cls=ErrorBoundary)
+@click.option(
+    "--traceback",
+    is_flag=True,
+    expose_value=False,
+    callback=_want_traceback,
+    help=TRACEBACK_HELP,
+)
 @click.pass_context
 def durable(ctx: click.Context) -> None:
     """Durable workflows: schema, runs and their control."""

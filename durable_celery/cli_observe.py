@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from .app_argument import app_argument
 from .errors import DurableError
 from .pg_health import table_lines
 
@@ -27,7 +28,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
     d = _durable(ctx)
     pending = d.pending_migrations()
     if pending:
-        click.echo(f"schema: {len(pending)} revision(s) behind; run `celery -A app durable migrate`")
+        migrate = f"celery -A {app_argument()} durable migrate"
+        click.echo(f"schema: {len(pending)} revision(s) behind at {d.db.masked_url}; run `{migrate}`")
         sys.exit(1)
     info = d.status_summary()
     if as_json:

@@ -17,6 +17,9 @@ Findings (``Finding.kind``):
 * ``orphaned_child``: an unfinished child of a cancelled parent (the cancel's process died
   before it reached every child). ``--fix`` cancels it, as the workers' upkeep does.
 * ``disabled_schedule``: a cron schedule turned off; it fires again only once re-enabled.
+* ``schedule_missing``: an enabled run-time schedule whose RedBeat entry is gone from Redis (a
+  flushed or replaced Redis): nothing fires it. ``--fix`` re-creates the entry from
+  ``durable_schedules``, as the workers' upkeep does.
 * ``no_consumer``: ready runs on a queue that no live worker node consumes (seen within
   ``stale_lock_timeout``, not draining) and that is not paused: start a worker with ``-Q`` and
   that queue. One finding per queue, with the count and the oldest ready time.
@@ -26,6 +29,7 @@ Findings (``Finding.kind``):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +41,11 @@ from .store.db import utcnow
 if TYPE_CHECKING:
     from .app import Durable
 
+log = logging.getLogger("durable_celery")
+
 LIMIT = 1000  # findings per kind
 UNSENT_AFTER = 30.0  # seconds a due, never-sent run may wait for the relay before it is a finding
-FIXABLE = ("missed_wakeup", "stale_lock", "unsent", "orphaned_child")
+FIXABLE = ("missed_wakeup", "stale_lock", "unsent", "orphaned_child", "schedule_missing")
 
 
 @dataclass
@@ -139,8 +145,31 @@ def diagnose(durable: Durable) -> list[Finding]:
         )
         for r in unconsumed
     ]
+    found += _missing_schedules(durable)
     found += [Finding(kind=i.kind, message=i.message, details=i.details) for i in upkeep]
     return found
+
+
+def _missing_schedules(durable: Durable) -> list[Finding]:
+    from redis.exceptions import RedisError
+
+    from .schedules import missing_entries
+
+    try:
+        rows = missing_entries(durable)
+    except RedisError as exc:  # RedBeat's Redis unreachable: the other findings still count
+        log.warning("durable doctor: could not check RedBeat entries: %s", exc)
+        return []
+    return [
+        Finding(
+            kind="schedule_missing",
+            message=f"schedule {r.name!r} has no RedBeat entry: nothing fires it",
+            workflow=r.workflow,
+            details={"schedule": r.name, "key": r.key},
+            fixable=True,
+        )
+        for r in rows
+    ]
 
 
 def _unconsumed(durable: Durable, conn: Any) -> list[Any]:
@@ -162,20 +191,23 @@ def _when(value: Any) -> str | None:
 
 def repair(durable: Durable) -> dict[str, int]:
     """The safe repairs: wake missed wake-ups, sweep stale locks, cancel orphaned children,
-    relay unsent runs."""
+    relay unsent runs, restore vanished RedBeat entries."""
     from .relay import relay_once
+    from .schedules import restore_schedules_once
     from .upkeep import cancel_orphans_once, sweep_stale_once, wake_missed_once
 
     woken = wake_missed_once(durable)
     handed_back, failed = sweep_stale_once(durable)
     orphans = cancel_orphans_once(durable)
     sent = relay_once(durable)
+    restored = restore_schedules_once(durable)
     return {
         "woken": woken,
         "handed_back": len(handed_back),
         "failed": len(failed),
         "cancelled": len(orphans),
         "sent": sent,
+        "restored": restored,
     }
 
 
@@ -185,10 +217,14 @@ def doctor(durable: Durable, fix: bool = False) -> list[Finding]:
     if not fix or not any(f.fixable for f in found):
         return found
     repair(durable)
-    remaining = {(f.kind, f.run_id) for f in diagnose(durable)}
+    remaining = {_identity(f) for f in diagnose(durable)}
     for finding in found:
-        finding.fixed = finding.fixable and (finding.kind, finding.run_id) not in remaining
+        finding.fixed = finding.fixable and _identity(finding) not in remaining
     return found
+
+
+def _identity(finding: Finding) -> tuple[str, str | None, Any]:
+    return finding.kind, finding.run_id, finding.details.get("schedule")
 
 
 def summary(durable: Durable) -> dict[str, Any]:

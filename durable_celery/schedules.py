@@ -252,6 +252,63 @@ def switch_redbeat(app: Any, name: str, enabled: bool) -> None:
         entry.save()
 
 
+def missing_entries(durable: Durable) -> list[Any]:
+    """Rows of enabled run-time schedules whose RedBeat entry is gone (a flushed or replaced
+    Redis): beat no longer fires them though ``durable_schedules`` still holds them."""
+    app = durable.app
+    if not uses_redbeat(app):
+        return []
+    from redbeat.schedulers import RedBeatSchedulerEntry, ensure_conf, get_redis
+
+    conf = ensure_conf(app)
+    configured = config_entries(app)
+    with durable.db.engine.connect() as conn:
+        rows = [r for r in schedule_rows.fetch_schedules(conn) if r.enabled and r.name not in configured]
+    if not rows:
+        return []
+    with get_redis(app).pipeline() as pipe:  # one round trip: is each entry there, and scheduled?
+        for row in rows:
+            key = RedBeatSchedulerEntry.generate_key(app, row.name)
+            pipe.hexists(key, "definition")
+            pipe.zscore(conf.schedule_key, key)
+        found = pipe.execute()
+    gone = [r for i, r in enumerate(rows) if not found[2 * i] or found[2 * i + 1] is None]
+    if gone:  # a beat_schedule entry RedBeat keeps under its beat_schedule name is not run-time
+        stored = redbeat_entries(app)
+        gone = [r for r in gone if r.name not in stored or stored[r.name].name == r.name]
+    return gone
+
+
+def restore_schedules_once(durable: Durable) -> int:
+    """Re-create the RedBeat entries of enabled run-time schedules from ``durable_schedules``;
+    how many. An entry counts from the schedule's last fire, so a slot missed while it was gone
+    fires once, at once, not once per slot."""
+    from redbeat.schedulers import RedBeatSchedulerEntry
+
+    restored = 0
+    for row in missing_entries(durable):
+        built = runtime_kwargs(durable, row)
+        if built is None:
+            continue
+        sched, kwargs, options = built
+        entry = redbeat_entry(durable.app, row.name)
+        if entry is None:
+            entry = RedBeatSchedulerEntry(
+                row.name,
+                FIRE_TASK,
+                sched,
+                kwargs=kwargs,
+                options=options,
+                last_run_at=aware(row.last_fire_at or row.created_at),
+                enabled=True,
+                app=durable.app,
+            )
+        entry.save()  # also puts an entry that lost only its place in the schedule back in it
+        log.warning("durable: restored the RedBeat entry of schedule %r from the database", row.name)
+        restored += 1
+    return restored
+
+
 # -- the public verbs ---------------------------------------------------------------------------
 
 

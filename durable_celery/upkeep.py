@@ -29,10 +29,12 @@ from celery.exceptions import WorkerShutdown
 from sqlalchemy import Connection
 
 from . import prune, queues, signals
+from .app_argument import app_argument as _app_argument
 from .keys import end_run_txn
 from .nodes import Node
 from .observe import ACTIVITY_KEPT
 from .relay import RELAY_BATCH, BrokerDown, relay_once
+from .schedules import restore_schedules_once
 from .store import activity_rows, child_rows, doctor_rows, node_rows, queries
 from .store.db import utcnow
 
@@ -227,6 +229,7 @@ class Upkeep:
                     self._guarded(sweep_stale_once)
                 self._guarded(cancel_orphans_once)
                 self._guarded(wake_missed_once)
+                self._guarded(restore_schedules_once)
 
     def _housekeeping_loop(self) -> None:
         s = self.durable.settings
@@ -301,19 +304,6 @@ class Upkeep:
         return result
 
 
-def _app_argument() -> str:
-    """The ``-A`` of the command this process runs, for a message that says what to type."""
-    argv = sys.argv
-    for n, arg in enumerate(argv):
-        if arg in ("-A", "--app") and n + 1 < len(argv):
-            return argv[n + 1]
-        if arg.startswith("--app="):
-            return arg.split("=", 1)[1]
-        if arg.startswith("-A") and len(arg) > 2:
-            return arg[2:]
-    return os.environ.get("CELERY_APP", "<app>")
-
-
 def refuse_old_schema(durable: Durable) -> None:
     """Stop a starting worker whose database is behind this code's schema (exit code 1), with
     one line naming the pending revisions and the command that applies them."""
@@ -359,5 +349,13 @@ def install(durable: Durable) -> None:
             if upkeep is not None:
                 upkeep._guarded(upkeep.mark_draining)
             super().stop(worker)
+
+        def terminate(self, worker: Any) -> None:
+            # A cold shutdown: no grace period, but the node is leaving all the same, so other
+            # nodes stop counting on its code at once (rollout.py) and its queues' consumers.
+            upkeep = getattr(self, "obj", None)
+            if upkeep is not None:
+                upkeep._guarded(upkeep.mark_draining)
+            super().terminate(worker)
 
     durable.app.steps["worker"].add(DurableUpkeep)

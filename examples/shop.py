@@ -126,3 +126,16 @@ def send_receipt(order_id: str, email: str) -> dict[str, str]:
     """E-mail the receipt of an order, once: the key ``receipt:<order_id>`` comes from the input,
     and ``reuse="never"`` keeps it after the run completed, so starting it again sends nothing."""
     return {"to": email, "subject": f"Your receipt for order {order_id}"}
+
+
+# -- a keyed schedule: beat starts check_address every morning, one run at a time --------------
+
+# Each fire starts check_address with the key "warehouse": while a morning's run still holds the
+# key, the next fire starts nothing. `celery -A examples.shop beat -S redbeat.RedBeatScheduler`
+# needs only redbeat_redis_url (set above); Durable sets beat_max_loop_interval to 5 s, so a
+# schedule made at run time with `durable.schedule(...)` is seen within seconds.
+app.conf.beat_schedule = {
+    "warehouse-address": durable.beat_entry(
+        check_address, "0 6 * * *", key="warehouse", input={"street": "1 dock road", "postcode": "10115"}
+    ),
+}

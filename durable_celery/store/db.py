@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from sqlalchemy import Connection, DateTime, Engine, Interval, bindparam, create_engine, event, func
 from sqlalchemy.engine import ExceptionContext, make_url
-from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
 from sqlalchemy.pool import NullPool
 
 from ..errors import DatabaseUnavailable, InvalidDefinition
@@ -35,13 +35,26 @@ def utcnow() -> datetime:
 
 
 def normalize_url(url: str) -> str:
-    """Pin PostgreSQL URLs to psycopg 3, so ``postgresql://`` works as users write it."""
-    parsed = make_url(url)
+    """Pin PostgreSQL URLs to psycopg 3, so ``postgresql://`` works as users write it; a URL that
+    does not parse or names no installed dialect (``postgresq://``) raises InvalidDefinition."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise InvalidDefinition(f"not a database URL: {masked_url(url)}; {_VALID_URLS}") from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     elif parsed.drivername.startswith("postgresql+") and parsed.drivername != "postgresql+psycopg":
         raise InvalidDefinition(f"use the psycopg (3) driver for PostgreSQL, not {parsed.drivername}")
+    try:
+        parsed.get_dialect()
+    except NoSuchModuleError:
+        raise InvalidDefinition(
+            f"unknown database scheme {parsed.drivername!r} in {masked_url(url)}; {_VALID_URLS}"
+        ) from None
     return parsed.render_as_string(hide_password=False)
+
+
+_VALID_URLS = "use postgresql://user:password@host:port/dbname or sqlite:///path/to/file.sqlite3"
 
 
 def masked_url(url: str) -> str:

@@ -137,6 +137,12 @@ def test_doctor_finds_each_kind_of_stuck_state(durable):
         ("stalled_compensation", ids["refund"]),
         ("unsent", ids["unsent"]),
         ("disabled_schedule", "nightly-refunds"),
+        ("no_consumer", None),  # the test's worker has stopped: the unsent run has nobody
+    }
+    assert found["no_consumer", None].details == {
+        "queue": durable.app.conf.task_default_queue,
+        "ready": 1,
+        "oldest_ready_at": found["no_consumer", None].details["oldest_ready_at"],
     }
     fixable = {kind for kind, _ in found if found[kind, _].fixable}
     assert fixable == {"missed_wakeup", "stale_lock", "unsent"}
@@ -170,15 +176,16 @@ def test_cli_doctor_reports_then_fixes_and_the_runs_finish(durable, cli):
             "stalled_compensation",
             "unsent",
             "disabled_schedule",
+            "no_consumer",
         ]
     )
     text = cli("doctor")
-    assert text.returncode == 1 and "6 finding(s)" in text.stdout
+    assert text.returncode == 1 and "7 finding(s)" in text.stdout
     assert text.stdout.count("[fixable with --fix]") == 3
 
     fixed = cli("doctor", "--fix")
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
-    assert fixed.stdout.count("[fixed]") == 3 and "6 finding(s), 3 fixed" in fixed.stdout
+    assert fixed.stdout.count("[fixed]") == 3 and "7 finding(s), 3 fixed" in fixed.stdout
     # What --fix handed back, woke and sent is done by an ordinary worker.
     with worker(durable):
         assert wait_for(durable, ids["lost"]).output == "done"
@@ -206,7 +213,9 @@ def test_doctor_knows_a_parent_waiting_for_children(durable):
     (finding,) = durable.doctor()
     assert (finding.kind, finding.run_id) == ("missed_wakeup", parent_id)
     assert [f.fixed for f in durable.doctor(fix=True)] == [True]
-    assert durable.get_run(parent_id).status == "waiting" and durable.doctor() == []
+    assert durable.get_run(parent_id).status == "waiting"
+    # Woken, it is ready on a queue no worker consumes now: that is all that is left.
+    assert [f.kind for f in durable.doctor()] == ["no_consumer"]
 
 
 def current_run_wait(name):
