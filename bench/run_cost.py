@@ -11,10 +11,18 @@ off: this is the cost of a run itself, not of the periodic passes. Then the engi
 ``pg_total_relation_size``, plus ``pg_column_size`` of the live rows, per run. Statements are
 counted with SQLAlchemy's ``before_cursor_execute`` on ``durable.db.engine``. The database is
 dropped; the Redis queue used is one of its own and is left empty.
+
+Then what inputs cost: ``--input-runs`` runs of the same three steps with a 100 KB input (random,
+so TOAST cannot compress it away), and as many keyed runs of that size that each get 10
+duplicate starts with a 100 KB input of their own (answered ``use_existing``, so each is dropped
+and recorded in ``durable_activity``), started before the worker takes them. Their figures are
+``pg_total_relation_size`` deltas (heap, TOAST and indexes) per run.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 import threading
 import time
 import uuid
@@ -31,6 +39,9 @@ from durable_celery import Durable
 from durable_celery.testing import worker
 
 REFERENCE = {"statements": 23, "bytes": 3000, "dead": 15}
+INPUT_BYTES = 100_000
+DUPLICATES = 10
+SIZED = ("durable_runs", "durable_steps", "durable_activity")
 
 STATS = """
 SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del, n_dead_tup,
@@ -67,7 +78,52 @@ def build(url: str, broker: str, queue: str) -> Durable:
     wf = durable.workflow("bench3")
     for name in ("first", "second", "third"):
         wf.step(lambda: None, name=name)
+    sized = durable.workflow("bench3_input")
+    for name in ("first", "second", "third"):
+        sized.step(lambda blob: None, name=name)
     return durable
+
+
+def total_sizes(engine: Any) -> dict[str, int]:
+    """``pg_total_relation_size`` (heap, TOAST, indexes) of each table in ``SIZED``."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT relname, pg_total_relation_size(relid) FROM pg_stat_user_tables"
+                " WHERE relname = ANY(:t)"
+            ),
+            {"t": list(SIZED)},
+        ).all()
+    return {name: int(size) for name, size in rows}
+
+
+def payload() -> dict[str, str]:
+    """An input of ``INPUT_BYTES`` of JSON that does not compress (so TOAST keeps all of it)."""
+    return {"blob": base64.b64encode(os.urandom(INPUT_BYTES * 3 // 4)).decode()[: INPUT_BYTES - 11]}
+
+
+def input_costs(
+    durable: Durable, observer: Any, timer: Timer, queue: str, concurrency: int, runs: int
+) -> list[tuple[str, dict[str, float]]]:
+    """Bytes per run of a 100 KB input on three steps, then of keyed ones with 10 duplicates."""
+    figures = []
+    for label, duplicates in (
+        ("100 KB input, 3 steps", 0),
+        (f"... and {DUPLICATES} duplicate starts", DUPLICATES),
+    ):
+        before = total_sizes(observer)
+        say(f"{timer} starting {runs} runs: {label}")
+        ids = []
+        for i in range(runs):
+            key = f"sized-{i}" if duplicates else None
+            ids.append(durable.start("bench3_input", payload(), key=key))
+            for _ in range(duplicates):
+                durable.start("bench3_input", payload(), key=key, on_duplicate="use_existing")
+        with worker(durable, concurrency=concurrency, queues=[queue]):
+            wait_all(observer, ids, timer)
+        after = total_sizes(observer)
+        figures.append((label, {t: (after[t] - before[t]) / runs for t in SIZED}))
+    return figures
 
 
 @click.command()
@@ -79,8 +135,15 @@ def build(url: str, broker: str, queue: str) -> Durable:
     "--broker-url", default="redis://127.0.0.1:6379/11", show_default=True, help="Redis (not flushed)."
 )
 @click.option("--server", default=SERVER, show_default=True, help="PostgreSQL server (database made there).")
-def main(runs: int, concurrency: int, broker_url: str, server: str) -> None:
-    """Per-run cost of a three-step run (prints figures, not a test)."""
+@click.option(
+    "--input-runs",
+    default=20,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Runs measured per input case (100 KB input; with 10 duplicate starts).",
+)
+def main(runs: int, concurrency: int, broker_url: str, server: str, input_runs: int) -> None:
+    """Per-run cost of a three-step run, and of large inputs (prints figures, not a test)."""
     timer = Timer()
     queue = f"bench-cost-{uuid.uuid4().hex[:8]}"
     with scratch_database(server, "bench_ops_cost") as url:
@@ -110,8 +173,11 @@ def main(runs: int, concurrency: int, broker_url: str, server: str) -> None:
         durable.db.dispose()  # backends exit and flush their statistics
         time.sleep(1.5)
         after, after_live = snapshot(observer), live_bytes(observer)
+        sized = input_costs(durable, observer, timer, queue, concurrency, input_runs)
+        durable.db.dispose()
         observer.dispose()
     report(runs, statements, before, after, before_live, after_live)
+    report_inputs(input_runs, sized)
 
 
 def wait_all(engine: Any, ids: list[str], timer: Timer, timeout: float = 300.0) -> None:
@@ -186,6 +252,16 @@ def report(
     ]
     for name, value, reference in rows:
         say(f"{name:34}  {value:>9.2f}  {reference:>9}  {'fewer' if value < reference else 'NOT fewer'}")
+
+
+def report_inputs(runs: int, figures: list[tuple[str, dict[str, float]]]) -> None:
+    """Print the bytes per run of the input cases, by table."""
+    say("")
+    say(f"bytes per run with large inputs ({runs} runs each; pg_total_relation_size, TOAST included)")
+    say(f"{'case':34}  " + "  ".join(f"{t:>16}" for t in SIZED) + f"  {'total':>9}")
+    for label, sizes in figures:
+        cells = "  ".join(f"{sizes[t]:>16,.0f}" for t in SIZED)
+        say(f"{label:34}  {cells}  {sum(sizes.values()):>9,.0f}")
 
 
 if __name__ == "__main__":

@@ -350,9 +350,9 @@ class Durable:
 
     def list_steps(self, run_id: str) -> list[StepRecord]:
         """Every recorded step attempt of a run, in order; RunNotFound if there is no run."""
-        self.get_run(run_id)
+        run = self.get_run(run_id)
         with self.db.engine.connect() as conn:
-            return [StepRecord.from_row(r) for r in queries.fetch_steps(conn, run_id)]
+            return [StepRecord.from_row(r, run.input) for r in queries.fetch_steps(conn, run_id)]
 
     # -- control ----------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ never wait on each other in a circle: **the key row first, then run rows**.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,10 @@ MAX_HANDS = 3
 # (workflow, run id, step index, attempt, key): a message to send once committed.
 Dispatch = tuple[str, str, int, int, "str | None"]
 FAILED_LIKE = ("failed", "cancelled", "compensated", "compensation_failed")
+# A duplicate start's dropped input is kept whole in its key_duplicate entry up to this many
+# bytes of JSON; past it, a digest, its size and a preview (the log is kept for a week).
+DROPPED_INPUT_KEPT = 4096
+DROPPED_INPUT_PREVIEW = 512
 
 
 def reuse_frees(reuse: str, holder_status: str) -> bool:
@@ -251,7 +257,7 @@ class KeyDecision:
                 "outcome": outcome,
                 "policy": policy,
                 "input_changed": holder.input != self.run["input"],
-                "input": self.run["input"],
+                **dropped_input(self.run["input"]),
                 "holder_status": holder.status,
                 **details,
             },
@@ -262,6 +268,21 @@ class KeyDecision:
             signals.key_duplicate,
             {"run_id": holder.holder_id, "workflow": self.name, "key": self.key, "outcome": outcome},
         )
+
+
+def dropped_input(data: dict[str, Any]) -> dict[str, Any]:
+    """A duplicate start's input for its activity entry: whole up to ``DROPPED_INPUT_KEPT``
+    bytes of JSON, else the sha256, size and first ``DROPPED_INPUT_PREVIEW`` characters of its
+    JSON with sorted keys and no spaces."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    size = len(text.encode())
+    if size <= DROPPED_INPUT_KEPT:
+        return {"input": data}
+    return {
+        "input_digest": hashlib.sha256(text.encode()).hexdigest(),
+        "input_bytes": size,
+        "input_preview": text[:DROPPED_INPUT_PREVIEW],
+    }
 
 
 def settle_waiting_txn(
@@ -341,7 +362,7 @@ def start_run(
             return _created(workflow, run)
         if policy == "use_existing" and not workflow.debounce:
             holder_id = key_rows.answer_from_unfinished_holder(
-                db, conn, workflow.name or "", run["key"], run["input"]
+                db, conn, workflow.name or "", run["key"], run["input"], dropped_input(run["input"])
             )
             if holder_id is not None:
                 notice = {

@@ -73,10 +73,13 @@ class StepRecord:
     logs: list[dict[str, Any]] | None = None
 
     @classmethod
-    def from_row(cls, row: Any) -> StepRecord:
-        """Build from a ``durable_steps`` row."""
+    def from_row(cls, row: Any, run_input: dict[str, Any] | None = None) -> StepRecord:
+        """Build from a ``durable_steps`` row; ``input`` is ``run_input`` (the run's, which
+        never changes during an attempt) unless the row kept its own (written by older versions)."""
         data = row._mapping
         values = {f.name: data[f.name] for f in fields(cls)}
+        if values["input"] is None:
+            values["input"] = run_input
         for name in ("started_at", "finished_at"):
             values[name] = aware(values[name])
         return cls(**values)

@@ -55,11 +55,12 @@ def insert_run_with_key(db: Database, conn: Connection, run: dict[str, Any]) -> 
 
 
 def answer_from_unfinished_holder(
-    db: Database, conn: Connection, workflow: str, key: str, new_input: dict[str, Any]
+    db: Database, conn: Connection, workflow: str, key: str, new_input: dict[str, Any], kept: dict[str, Any]
 ) -> str | None:
     """PostgreSQL only, for ``use_existing``: if the key's holder is unfinished, record the
     duplicate on it and return its id, in one statement and without locks (the answer holds at
-    the moment of the read). None when there is no such holder: decide under locks instead."""
+    the moment of the read). None when there is no such holder: decide under locks instead.
+    ``kept`` is what the entry keeps of ``new_input`` (keys.dropped_input)."""
 
     def build() -> Any:
         wf: Any = bindparam("p_workflow")
@@ -82,18 +83,16 @@ def answer_from_unfinished_holder(
             "use_existing",
             "input_changed",
             ~holder.c.same,
-            "input",
-            new,
             "holder_status",
             holder.c.status,
-        )
+        ).op("||")(bindparam("p_kept", type_=postgresql.JSONB()))
         chosen = select(literal("key_duplicate"), holder.c.holder_id, wf, k, details, func.now()).select_from(
             holder
         )
         columns = ["kind", "run_id", "workflow", "key", "details", "at"]
         return insert(activity).from_select(columns, chosen).returning(activity.c.run_id)
 
-    params = {"p_workflow": workflow, "p_key": key, "p_input": new_input}
+    params = {"p_workflow": workflow, "p_key": key, "p_input": new_input, "p_kept": kept}
     return conn.execute(db.statement("answer_use_existing", build), params).scalar()
 
 

@@ -231,7 +231,12 @@ def _readd(run: Run, row: Any) -> dict[str, Any]:
         "input_changed": bool(details.get("input_changed")),
         "dropped": dropped,
         "input": details.get("input"),
-        "diff": input_diff(run.input, details.get("input")) if dropped else [],
+        # A large dropped input is kept as its digest, size and preview (keys.dropped_input).
+        "kept_whole": "input" in details,
+        "input_digest": details.get("input_digest"),
+        "input_bytes": details.get("input_bytes"),
+        "input_preview": details.get("input_preview"),
+        "diff": input_diff(run.input, details.get("input")) if dropped and "input" in details else [],
     }
 
 
