@@ -307,6 +307,10 @@ class Upkeep:
 def refuse_old_schema(durable: Durable) -> None:
     """Stop a starting worker whose database is behind this code's schema (exit code 1), with
     one line naming the pending revisions and the command that applies them."""
+    if durable.db.bad_url is not None:  # no database at all can be reached with this URL
+        log.critical("durable: %s", durable.db.bad_url)
+        print(f"durable: {durable.db.bad_url}", file=sys.stderr, flush=True)
+        raise WorkerShutdown(1)
     try:
         pending = durable.pending_migrations()
     except Exception as exc:  # the database is away: the worker starts and waits for it

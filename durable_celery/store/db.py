@@ -140,7 +140,13 @@ class Database:
     def __init__(
         self, url: str, *, pool_size: int = 5, echo: bool = False, prepared_statements: bool = True
     ) -> None:
-        self.url = normalize_url(url)
+        # A URL that cannot work is reported at first use, not here: the app's module (imported
+        # by `celery -A`) still loads, so a command can say so in one line, and a worker refuses
+        # to start with that line.
+        try:
+            self.url, self.bad_url = normalize_url(url), None
+        except InvalidDefinition as exc:
+            self.url, self.bad_url = url, str(exc)
         self.masked_url = masked_url(self.url)
         self._prepared = prepared_statements
         self.is_sqlite = self.url.startswith("sqlite")
@@ -154,7 +160,10 @@ class Database:
 
     @property
     def engine(self) -> Engine:
-        """The engine of this process, created on first use (and anew after a fork)."""
+        """The engine of this process, created on first use (and anew after a fork);
+        InvalidDefinition for a URL that cannot work."""
+        if self.bad_url is not None:
+            raise InvalidDefinition(self.bad_url)
         if self._engine is None or self._pid != os.getpid():
             with self._lock:
                 if self._engine is None or self._pid != os.getpid():

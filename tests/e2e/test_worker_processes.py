@@ -335,3 +335,12 @@ def test_a_killed_compensation_is_recorded_failed_and_ends_the_run_with_no_attem
     undo = [s for s in client.list_steps(run_id) if s.phase == "compensate"]
     assert [(s.name, s.attempt, s.status) for s in undo] == [("charge", 1, "failed")]
     assert undo[0].error["type"] == "WorkerLost" and "signal 9" in undo[0].error["message"]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_given_a_mistyped_database_url_exits_at_once_saying_so(start_worker, tmp_path):
+    worker = start_worker("typo", DB="postgresq://postgres:hunter2@127.0.0.1:5432/x")
+    assert worker.wait(30) == 1
+    output = (tmp_path / "typo.log").read_text()
+    assert "unknown database scheme 'postgresq' in postgresq://postgres:***@" in output
+    assert "hunter2" not in output and "Traceback" not in output
