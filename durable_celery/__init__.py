@@ -1,6 +1,7 @@
 """Durable, keyed workflows for Celery, with PostgreSQL as the source of truth."""
 
 from .app import Durable, durable_workflow
+from .capabilities import Capability
 from .context import RunContext, current_run
 from .definition import SendEvent, Step, Workflow
 from .errors import (
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Durable",
+    "Capability",
     "durable_workflow",
     "current_run",
     "RunContext",

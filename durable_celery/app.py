@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 
 from . import beat, control, observe, schedule_fires, schedules, tracing, transport
+from .capabilities import Capability, of_backend, require
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
 from .errors import (
@@ -66,7 +67,14 @@ def new_run_id() -> str:
 class Durable:
     """Durable, keyed workflows for one Celery app; see the README for a tour."""
 
-    def __init__(self, app: Celery, database_url: str | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        database_url: str | None = None,
+        *,
+        capabilities: Capability = Capability.ALL,
+        **settings: Any,
+    ) -> None:
         self.app = app
         self.settings = Settings.build(app, database_url, settings)
         self.db = Database(
@@ -74,6 +82,11 @@ class Durable:
             pool_size=self.settings.pool_size,
             prepared_statements=not self.settings.pgbouncer,
         )
+        if not isinstance(capabilities, Capability):
+            raise InvalidDefinition(f"capabilities must be a Capability, not {capabilities!r}")
+        self._claimed = capabilities
+        # Steps run in the calling thread (testing.Fake, task_always_eager): nothing is published.
+        self.inline = False
         self.workflows: dict[str, Workflow] = {}
         self.engine = Engine(self)
         self.stats = Stats(self)
@@ -102,11 +115,34 @@ class Durable:
     def __repr__(self) -> str:
         return f"<Durable app={self.app.main!r} db={self.db.masked_url}>"  # creates no engine
 
+    @property
+    def capabilities(self) -> Capability:
+        """What this Durable supports: its backend's capabilities (capabilities.py), less any
+        it was told not to claim."""
+        return self._claimed & of_backend(postgres=self.db.is_postgres, memory=bool(self.db.memory))
+
+    def require(
+        self, needed: Capability, operation: str, what: str, workflow: str | Workflow | None = None
+    ) -> None:
+        """Raise Unsupported (naming ``needed`` and the workflow) unless this Durable has it."""
+        name = workflow.name if isinstance(workflow, Workflow) else workflow
+        require(self.capabilities, needed, operation, what, name)
+
+    @property
+    def eager(self) -> bool:
+        """Whether ``start()`` runs the run's steps in the calling thread (``task_always_eager``)."""
+        return bool(self.app.conf.task_always_eager)
+
     def _use_embedded_broker_if_unset(self) -> None:
         # Never let Celery fall back to amqp://localhost quietly: with no broker chosen, use the
         # serverless filesystem transport next to the SQLite file (one machine, many processes;
-        # a message lost with a crashed worker is sent again by the relay).
+        # a message lost with a crashed worker is sent again by the relay). The in-memory store
+        # is one process only, and so is Celery's memory:// broker.
         if self.app.conf.broker_url or os.environ.get("CELERY_BROKER_URL"):
+            return
+        if self.db.memory:
+            self.app.conf.broker_url = "memory://localhost/"
+            self.app.conf.broker_transport_options = {"polling_interval": 0.05}
             return
         folder = os.path.abspath(os.path.join(self.settings.home, "broker"))
         os.makedirs(folder, exist_ok=True)
@@ -225,6 +261,7 @@ class Durable:
         data = check_input(input, self.settings.max_input_bytes)
         run_key = wf.derive_key(data, key)
         policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate, wf)
+        self._check_start(wf, run_key, policy, connection)
         run = self._new_run(wf, data, run_key)
         tracing.stamp_run(self, wf, run)  # the run's trace (tracing.py)
         if connection is not None:
@@ -233,7 +270,20 @@ class Durable:
             return start_in_callers_transaction(self, connection, wf, run, policy)
         decision = start_run(self, wf, run, policy)
         decision.after_commit(self)
+        if self.eager and not self.inline:
+            from .inline import run_eagerly
+
+            run_eagerly(self, decision.run_id)
         return decision.run_id
+
+    def _check_start(self, wf: Workflow, key: str | None, policy: Any, connection: Any) -> None:
+        """Unsupported when the start needs a capability this Durable lacks."""
+        if key is not None:
+            self.require(Capability.IDEMPOTENCY_KEY, "start", "key", wf)
+            if isinstance(policy, SendEvent):
+                self.require(Capability.EVENTS, "start", "on_duplicate=SendEvent", wf)
+        if connection is not None:
+            self.require(Capability.TRANSACTIONS, "start", "connection=", wf)
 
     def _new_run(self, wf: Workflow, data: dict[str, Any], key: str | None) -> dict[str, Any]:
         """A new run's row; InvalidStart if a step cannot take ``data`` (every path that makes
@@ -280,7 +330,10 @@ class Durable:
         compensate: bool = False,
     ) -> bool:
         """Send the message for one step (or its compensation); on failure flag the run for
-        the relay."""
+        the relay. Inline (a Fake, eager mode) nothing is sent: the due run is taken from the
+        database by whoever runs steps in the calling thread."""
+        if self.inline or self.eager:
+            return True
         step = workflow.steps[step_index]
         kwargs: dict[str, Any] = {"run_id": run_id, "step": step_index, "attempt": attempt}
         shown = f"{{run_id: {run_id}, key: {key!r}, step: {step.name}, attempt: {attempt}"
@@ -397,11 +450,22 @@ class Durable:
 
     def send_event(self, run_id: str, name: str, payload: Any = None, buffer: bool = False) -> bool:
         """Deliver event ``name`` to a run waiting for it, or keep it with ``buffer=True``."""
+        self.require(Capability.EVENTS, "send_event", "events", self._workflow_of(run_id))
         return control.send_event(self, run_id, name, payload, buffer)
 
     def provide_input(self, run_id: str, name: str, value: Any = None) -> bool:
         """Give a run the input ``name`` it waits for (kept if it is not waiting yet)."""
+        self.require(Capability.WAITS, "provide_input", "waiting for input", self._workflow_of(run_id))
         return control.provide_input(self, run_id, name, value)
+
+    def _workflow_of(self, run_id: str) -> str | None:
+        """The workflow of a run, for an Unsupported message (only read when it is raised)."""
+        if Capability.EVENTS | Capability.WAITS in self.capabilities:
+            return None
+        try:
+            return self.get_run(run_id).workflow
+        except RunNotFound:
+            return None
 
     def list_pending_inputs(self, workflow: str | None = None, limit: int = 100) -> list[PendingInput]:
         """Runs waiting for an input, oldest first."""
@@ -485,6 +549,7 @@ class Durable:
         name: str | None = None,
     ) -> dict[str, Any]:
         """An ``app.conf.beat_schedule`` entry whose fires start ``workflow`` with ``key``."""
+        self.require(Capability.SCHEDULES, "beat_entry", "schedules", self._name_of(workflow))
         return schedules.beat_entry(self, workflow, schedule, key, input, name)
 
     def schedule(
@@ -496,7 +561,12 @@ class Durable:
         name: str | None = None,
     ) -> Schedule:
         """Create (or redefine) a schedule at run time: a RedBeat entry, or a row DurableScheduler reads."""
+        self.require(Capability.SCHEDULES, "schedule", "schedules", self._name_of(workflow))
         return schedules.create(self, workflow, cron, key, input, name)
+
+    @staticmethod
+    def _name_of(workflow: str | Workflow) -> str | None:
+        return workflow.name if isinstance(workflow, Workflow) else workflow
 
     def list_schedules(self) -> list[Schedule]:
         """Every keyed schedule (configured and run-time), by name."""

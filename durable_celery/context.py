@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from .capabilities import Capability
 from .errors import DurableError
 from .waits import MISSING
 
@@ -58,6 +59,7 @@ class RunContext:
         """
         from .waits import wait_for_event
 
+        self._require(Capability.EVENTS | Capability.WAITS, "wait_for_event", "waiting for an event")
         return wait_for_event(self, name, timeout, timeout_value)
 
     def wait_for_input(self, name: str, timeout: float | None = None) -> Any:
@@ -65,12 +67,14 @@ class RunContext:
         parks (worker freed) until then. EventTimeout if ``timeout`` passes first."""
         from .waits import wait_for_input
 
+        self._require(Capability.WAITS, "wait_for_input", "waiting for input")
         return wait_for_input(self, name, timeout)
 
     def sleep(self, seconds: float) -> None:
         """Park the run for ``seconds`` without holding a worker; the step then resumes."""
         from .waits import sleep
 
+        self._require(Capability.WAITS, "sleep", "sleeping")
         sleep(self, seconds)
 
     def sleep_until(self, when: datetime) -> None:
@@ -79,7 +83,8 @@ class RunContext:
 
         if not isinstance(when, datetime) or when.tzinfo is None:
             raise InvalidArgument("sleep_until needs a timezone-aware datetime")
-        self.sleep((when - datetime.now(timezone.utc)).total_seconds())
+        self._require(Capability.WAITS, "sleep_until", "sleeping")
+        self.sleep((when - self._active.engine.db.utcnow()).total_seconds())
 
     def snooze(self, seconds: float, reason: str | None = None) -> None:
         """Stop this step now and run it again from the top after ``seconds``, without using
@@ -89,6 +94,7 @@ class RunContext:
 
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
             raise InvalidArgument(f"seconds must be a number >= 0, not {seconds!r}")
+        self._require(Capability.WAITS, "snooze", "snoozing")
         raise Snoozed(float(seconds), reason)
 
     def call_workflow(
@@ -98,6 +104,7 @@ class RunContext:
         ChildFailed if it ends any other way. Running this step again never starts it twice."""
         from .children import call_workflow
 
+        self._require(Capability.CHILDREN, "call_workflow", "child workflows")
         return call_workflow(self, workflow, input, key)
 
     def start_workflow(
@@ -107,6 +114,7 @@ class RunContext:
         this step runs again)."""
         from .children import start_workflow
 
+        self._require(Capability.CHILDREN, "start_workflow", "child workflows")
         return start_workflow(self, workflow, input, key)
 
     def parallel(self, calls: Any, *, fail_fast: bool = True) -> Any:
@@ -115,7 +123,11 @@ class RunContext:
         ``fail_fast`` the first failed branch cancels the others and raises ChildFailed."""
         from .children import parallel
 
+        self._require(Capability.CHILDREN, "parallel", "parallel branches")
         return parallel(self, calls, fail_fast)
+
+    def _require(self, needed: Capability, operation: str, what: str) -> None:
+        self._active.engine.durable.require(needed, operation, what, self.workflow)
 
 
 def current_run() -> RunContext:

@@ -21,7 +21,7 @@ from .keys import settle_waiting_txn, wake_parent_txn
 from .queues import queue_of
 from .rollout import definition_changed, known_elsewhere
 from .store import activity_rows, child_rows, event_rows, key_rows, queries
-from .store.db import Clock, utcnow
+from .store.db import Clock
 from .waits import Parked, Snoozed
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class Engine:
             _step_index=step.index,
             _parent_id=row.parent_id,
         )
-        started = utcnow()
+        started = self.db.utcnow()
         signals.step_started.send(
             sender=self.durable,
             run_id=row.id,
@@ -218,7 +218,7 @@ class Engine:
         )
         outcome = Outcome(error=WorkerLost(f"the process running step {step.name!r} died: {reason}"))
         log.warning("durable: run %s step %s lost its process (%s)", row.id, step.name, reason)
-        started = row.heartbeat_at or utcnow()  # the claim's time is not kept; its last beat is
+        started = row.heartbeat_at or self.db.utcnow()  # the claim's time is not kept; its last beat is
         worker = process_node(pid)
         if compensate:
             return self._record_compensation(workflow, step, row, ctx, outcome, started, worker)
@@ -252,7 +252,7 @@ class Engine:
             # No "input": it is the run's, kept once on the run (StepRecord.input reads it there).
             "worker": worker or self.node,
             "started_at": started,
-            "finished_at": utcnow(),
+            "finished_at": self.db.utcnow(),
             "logs": outcome.logs,  # log capture (logs.py)
         }
         run_values, status = self._next_state(workflow, step, row, ctx, outcome, last)
@@ -444,7 +444,7 @@ class Engine:
             "attempt": row.attempt,
             "worker": worker or self.node,
             "started_at": started,
-            "finished_at": utcnow(),
+            "finished_at": self.db.utcnow(),
             "logs": outcome.logs,
         }
         if outcome.error is None:
@@ -509,7 +509,7 @@ class Engine:
             "error": error,
             "worker": self.node,
             "started_at": started,
-            "finished_at": utcnow(),
+            "finished_at": self.db.utcnow(),
         }
         values = {"status": "failed", "error": error, "finished_at": Clock(), "due_at": None, "losses": 0}
         recorded, fence_now = self._write(workflow, row, "failed", values, step_row)

@@ -1,17 +1,34 @@
-"""Helpers for users' own tests: a real Celery worker in this process, and waiting on runs."""
+"""Testing code that uses durable_celery (docs/testing.md has the four ways):
+
+* ``run_context(...)``: call one step function directly, as a worker would;
+* ``Fake``: a ``Durable`` on the in-memory store whose steps run in the calling thread when
+  told (``run_until_idle()``), on a clock the test moves (``advance(seconds)``);
+* eager mode: ``app.conf.task_always_eager = True`` and ``start()`` runs the run's steps;
+* ``worker(durable)``: a real Celery worker in this process, and ``wait_for`` a run's end.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.worker import state as worker_state
 from kombu.asynchronous import set_event_loop
 
 from .app import Durable
+from .capabilities import Capability, require
+from .context import RunContext, enter, leave
+from .definition import Workflow
+from .errors import InvalidArgument
+from .inline import MAX_STEPS, run_due
 from .models import Run
 from .store.schema import FINISHED
 
@@ -77,3 +94,304 @@ def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"run {run_id} is {run.status} after {timeout}s, not {statuses}")
         time.sleep(0.05)
+
+
+# -- the Fake ---------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """The time a Fake's store sees: starts at the real time, moves only by ``advance``."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self._now = start or datetime.now(timezone.utc)
+        if self._now.tzinfo is None:
+            raise InvalidArgument("a FakeClock starts at a timezone-aware datetime")
+        self._lock = threading.Lock()
+
+    def __call__(self) -> datetime:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> datetime:
+        """Move the clock ``seconds`` forward; returns the new time."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            raise InvalidArgument(f"seconds must be a number >= 0, not {seconds!r}")
+        with self._lock:
+            self._now += timedelta(seconds=seconds)
+            return self._now
+
+
+class Fake(Durable):
+    """A ``Durable`` for unit tests: the in-memory store, steps run in the calling thread.
+
+    Everything a ``Durable`` has works the same (definitions, ``start`` and every key rule,
+    reading, control); nothing is sent to a broker. ``run_until_idle()`` runs every due step;
+    ``advance(seconds)`` moves the store's clock, so sleeps, debounce, backoff, wait timeouts
+    and workflow timeouts come due without waiting. Built with fewer ``capabilities`` it
+    refuses what needs the others, as such a backend would (``Unsupported``).
+    """
+
+    def __init__(
+        self,
+        app: Celery | None = None,
+        *,
+        capabilities: Capability = Capability.ALL,
+        start_time: datetime | None = None,
+        **settings: Any,
+    ) -> None:
+        if app is None:
+            name = f"durable-fake-{uuid.uuid4().hex[:8]}"
+            app = Celery(name, broker="memory://localhost/", set_as_current=False)
+        super().__init__(app, "memory://", capabilities=capabilities, **settings)
+        self.inline = True
+        self.clock = FakeClock(start_time)
+        self.db.clock = self.clock
+
+    def __repr__(self) -> str:
+        return f"<Fake {self.db.masked_url} at {self.clock().isoformat()}>"
+
+    def register(self, *workflows: Workflow) -> None:
+        """Make workflows defined on another Durable (the app's own) known here by name."""
+        for workflow in workflows:
+            if self.workflows.get(workflow.name or "") is not workflow:
+                self._register_workflow(workflow)
+
+    def now(self) -> datetime:
+        """The Fake's current time."""
+        return self.clock()
+
+    def advance(self, seconds: float) -> datetime:
+        """Move the clock ``seconds`` forward (steps do not run: call ``run_until_idle``)."""
+        return self.clock.advance(seconds)
+
+    def run_until_idle(self, max_steps: int = MAX_STEPS) -> int:
+        """Run every due step, and the upkeep sweeps, until nothing is due; returns the steps run."""
+        return run_due(self, max_steps=max_steps)
+
+    def close(self) -> None:
+        """Let go of the in-memory store."""
+        self.db.dispose()
+
+
+# -- one step, called directly ------------------------------------------------------------------
+
+
+class Parked(Exception):
+    """A step called under ``run_context`` parked the run (it would free its worker here)."""
+
+    def __init__(self, what: str, **details: Any) -> None:
+        shown = ", ".join(f"{k}={v!r}" for k, v in details.items())
+        super().__init__(f"{what}({shown})")
+        self.what = what
+        self.details = details
+
+
+class Sleeping(Parked):
+    """The step called ``sleep``/``sleep_until``: ``seconds`` is how long."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__("sleep", seconds=seconds)
+        self.seconds = seconds
+
+
+class WaitingForEvent(Parked):
+    """The step called ``wait_for_event(name, timeout)``."""
+
+    def __init__(self, name: str, timeout: float | None) -> None:
+        super().__init__("wait_for_event", name=name, timeout=timeout)
+        self.name, self.timeout = name, timeout
+
+
+class WaitingForInput(Parked):
+    """The step called ``wait_for_input(name, timeout)``."""
+
+    def __init__(self, name: str, timeout: float | None) -> None:
+        super().__init__("wait_for_input", name=name, timeout=timeout)
+        self.name, self.timeout = name, timeout
+
+
+class Snoozing(Parked):
+    """The step called ``snooze(seconds, reason)``."""
+
+    def __init__(self, seconds: float, reason: str | None) -> None:
+        super().__init__("snooze", seconds=seconds, reason=reason)
+        self.seconds, self.reason = seconds, reason
+
+
+class CallingWorkflow(Parked):
+    """The step called ``call_workflow`` (or ``parallel``) for a child with no result given."""
+
+    def __init__(self, workflow: str, input: Any) -> None:
+        super().__init__("call_workflow", workflow=workflow, input=input)
+        self.workflow, self.input = workflow, input
+
+
+@dataclass
+class StepCall:
+    """What a step under ``run_context`` asked of its run, in order: ``(what, details)``."""
+
+    what: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class TestRun(RunContext):
+    """``current_run()`` under ``run_context``: no database; waits raise ``Parked`` subclasses
+    unless the test gave what they wait for."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(
+        self,
+        *,
+        events: Mapping[str, Any],
+        inputs: Mapping[str, Any],
+        children: Mapping[str, Any],
+        sleeps_done: int,
+        capabilities: Capability,
+        **fields_: Any,
+    ) -> None:
+        super().__init__(_active=None, **fields_)  # type: ignore[arg-type]
+        self.events, self.inputs, self.children = dict(events), dict(inputs), dict(children)
+        self.sleeps_done = sleeps_done
+        self.capabilities = capabilities
+        self.calls: list[StepCall] = []
+        self.started: list[tuple[str, Any]] = []
+
+    def call(self, target: Any, step: str | None = None) -> Any:
+        """Call a step function with this run's input: ``target`` is the function, or a
+        Workflow (its step named ``step``, else the first)."""
+        if isinstance(target, Workflow):
+            found = [s for s in target.steps if step is None or s.name == step]
+            if not found:
+                raise InvalidArgument(f"workflow {target.name!r} has no step {step!r}")
+            self.step = found[0].name
+            target = found[0].fn
+        return target(**self.input)
+
+    def _note(self, what: str, **details: Any) -> None:
+        self.calls.append(StepCall(what, details))
+
+    def _require(self, needed: Capability, operation: str, what: str) -> None:
+        require(self.capabilities, needed, operation, what, self.workflow)
+
+    def shutting_down(self) -> bool:
+        """Never, under run_context."""
+        return False
+
+    def heartbeat(self) -> None:
+        """Noted in ``calls``; nothing else."""
+        self._note("heartbeat")
+
+    def wait_for_event(self, name: str, timeout: float | None = None, timeout_value: Any = None) -> Any:
+        """The payload given in ``events=``, else raises WaitingForEvent."""
+        self._require(Capability.EVENTS | Capability.WAITS, "wait_for_event", "waiting for an event")
+        self._note("wait_for_event", name=name, timeout=timeout)
+        if name in self.events:
+            return self.events[name]
+        raise WaitingForEvent(name, timeout)
+
+    def wait_for_input(self, name: str, timeout: float | None = None) -> Any:
+        """The value given in ``inputs=``, else raises WaitingForInput."""
+        self._require(Capability.WAITS, "wait_for_input", "waiting for input")
+        self._note("wait_for_input", name=name, timeout=timeout)
+        if name in self.inputs:
+            return self.inputs[name]
+        raise WaitingForInput(name, timeout)
+
+    def sleep(self, seconds: float) -> None:
+        """Returns for the first ``sleeps_done`` sleeps (and for 0 s), else raises Sleeping."""
+        self._require(Capability.WAITS, "sleep", "sleeping")
+        self._note("sleep", seconds=seconds)
+        self._sleeps += 1
+        if seconds > 0 and self._sleeps > self.sleeps_done:
+            raise Sleeping(float(seconds))
+
+    def sleep_until(self, when: datetime) -> None:
+        """``sleep`` for the time left until ``when`` on the real clock."""
+        if not isinstance(when, datetime) or when.tzinfo is None:
+            raise InvalidArgument("sleep_until needs a timezone-aware datetime")
+        self.sleep((when - datetime.now(timezone.utc)).total_seconds())
+
+    def snooze(self, seconds: float, reason: str | None = None) -> None:
+        """Raises Snoozing."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            raise InvalidArgument(f"seconds must be a number >= 0, not {seconds!r}")
+        self._require(Capability.WAITS, "snooze", "snoozing")
+        self._note("snooze", seconds=seconds, reason=reason)
+        raise Snoozing(float(seconds), reason)
+
+    def call_workflow(
+        self, workflow: Any, input: Mapping[str, Any] | None = None, *, key: str | None = None
+    ) -> Any:
+        """The result given in ``children=`` under the workflow's name, else CallingWorkflow."""
+        self._require(Capability.CHILDREN, "call_workflow", "child workflows")
+        name = getattr(workflow, "name", workflow)
+        self._note("call_workflow", workflow=name, input=dict(input or {}), key=key)
+        if name in self.children:
+            return self.children[name]
+        raise CallingWorkflow(name, dict(input or {}))
+
+    def start_workflow(
+        self, workflow: Any, input: Mapping[str, Any] | None = None, *, key: str | None = None
+    ) -> str:
+        """Noted in ``started``; returns a made-up run id."""
+        self._require(Capability.CHILDREN, "start_workflow", "child workflows")
+        name = getattr(workflow, "name", workflow)
+        self._note("start_workflow", workflow=name, input=dict(input or {}), key=key)
+        self.started.append((name, dict(input or {})))
+        return f"child-{len(self.started)}"
+
+    def parallel(self, calls: Any, *, fail_fast: bool = True) -> Any:
+        """Each branch's result from ``children=``; CallingWorkflow for the first without one."""
+        self._require(Capability.CHILDREN, "parallel", "parallel branches")
+        items = calls.items() if isinstance(calls, Mapping) else enumerate(calls)
+        results = {k: self.call_workflow(*branch) for k, branch in items}
+        return results if isinstance(calls, Mapping) else [results[i] for i in range(len(results))]
+
+
+@contextmanager
+def run_context(
+    input: Mapping[str, Any] | None = None,
+    *,
+    key: str | None = None,
+    attempt: int = 1,
+    workflow: str = "test",
+    step: str = "step",
+    run_id: str | None = None,
+    context: dict[str, Any] | None = None,
+    events: Mapping[str, Any] | None = None,
+    inputs: Mapping[str, Any] | None = None,
+    children: Mapping[str, Any] | None = None,
+    sleeps_done: int = 0,
+    parent_id: str | None = None,
+    capabilities: Capability = Capability.ALL,
+) -> Iterator[TestRun]:
+    """Make ``current_run()`` answer as in a worker, so a step function can be called directly.
+
+    Waits the test gave an answer for (``events``, ``inputs``, ``children`` by workflow name,
+    the first ``sleeps_done`` sleeps) return it; any other raises a ``Parked`` subclass
+    (``Sleeping``, ``WaitingForEvent``, ``WaitingForInput``, ``Snoozing``,
+    ``CallingWorkflow``) the test can assert on. ``calls`` lists every request in order.
+    """
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise InvalidArgument(f"attempt must be an int >= 1, not {attempt!r}")
+    run = TestRun(
+        id=run_id or str(uuid.uuid4()),
+        workflow=workflow,
+        input=dict(input or {}),
+        context=context if context is not None else {},
+        attempt=attempt,
+        key=key,
+        step=step,
+        _parent_id=parent_id,
+        events=events or {},
+        inputs=inputs or {},
+        children=children or {},
+        sleeps_done=sleeps_done,
+        capabilities=capabilities,
+    )
+    token = enter(run)
+    try:
+        yield run
+    finally:
+        leave(token)

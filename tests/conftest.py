@@ -199,6 +199,8 @@ def make_durable(backend: str, request: pytest.FixtureRequest, tmp_path: Any) ->
         url, broker = request.getfixturevalue("pg_url"), REDIS_URL
     else:
         url, broker = f"sqlite:///{tmp_path}/durable.sqlite3", "memory://"
+        if os.environ.get("DURABLE_TEST_SQLITE") == "memory":  # the in-memory store instead
+            url = f"memory://{uuid.uuid4().hex}"
 
     def make(name: str = "tests", *, broker_url: str | None = None, **settings: Any) -> Durable:
         app = Celery(name, broker=broker_url or broker, set_as_current=True)

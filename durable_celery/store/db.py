@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
+import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -17,7 +23,7 @@ from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
 from sqlalchemy.pool import NullPool
 
-from ..errors import DatabaseUnavailable, InvalidDefinition
+from ..errors import DatabaseUnavailable, InvalidDefinition, Unsupported
 
 
 class Clock:
@@ -32,6 +38,50 @@ class Clock:
 def utcnow() -> datetime:
     """The current time, timezone-aware in UTC."""
     return datetime.now(timezone.utc)
+
+
+MEMORY_URLS = ("memory://", "sqlite://", "sqlite:///:memory:")
+
+
+def memory_name(url: str) -> str | None:
+    """The store's name for an in-memory URL (``memory://`` a fresh one, ``memory://NAME`` one
+    shared by every Durable of this process given the same name); None for any other URL."""
+    if url in MEMORY_URLS:
+        return uuid.uuid4().hex
+    if url.startswith("memory://"):
+        name = url[len("memory://") :]
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", name):
+            raise InvalidDefinition(f"a memory store's name is letters, digits, '_.-', not {name!r}")
+        return name
+    return None
+
+
+_memory_root: list[str] = []  # this process's folder of in-memory stores, once made
+_memory_lock = threading.Lock()
+
+
+def memory_path(name: str) -> str:
+    """The file of in-memory store ``name``: in a folder of this process in shared memory
+    (``/dev/shm``, else the temp folder), removed when the process exits."""
+    with _memory_lock:
+        if not _memory_root or not os.path.isdir(_memory_root[0]):
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            folder = tempfile.mkdtemp(prefix=f"durable-memory-{os.getpid()}-", dir=shm)
+            atexit.register(_remove, folder, os.getpid())
+            _memory_root[:] = [folder]
+        return os.path.join(_memory_root[0], f"{name}.sqlite3")
+
+
+def _remove(path: str, pid: int) -> None:
+    # Only by the process that made it: a forked child exiting leaves its parent's store alone.
+    if os.getpid() != pid:
+        return
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + suffix)
 
 
 def normalize_url(url: str) -> str:
@@ -143,13 +193,24 @@ class Database:
         # A URL that cannot work is reported at first use, not here: the app's module (imported
         # by `celery -A`) still loads, so a command can say so in one line, and a worker refuses
         # to start with that line.
+        self.memory: str | None = None  # the in-memory store's name (memory://NAME)
         try:
+            self.memory = memory_name(url)
+            if self.memory is not None:
+                # A SQLite file in shared memory, in WAL mode like the embedded default: readers
+                # never wait for a writer, and every thread of this process shares it.
+                path = memory_path(self.memory)
+                if url in MEMORY_URLS:  # a fresh store: gone with this Database
+                    weakref.finalize(self, _remove, path, os.getpid())
+                url = f"sqlite:///{path}"
             self.url, self.bad_url = normalize_url(url), None
         except InvalidDefinition as exc:
             self.url, self.bad_url = url, str(exc)
-        self.masked_url = masked_url(self.url)
+        self.masked_url = f"memory://{self.memory}" if self.memory else masked_url(self.url)
         self._prepared = prepared_statements
         self.is_sqlite = self.url.startswith("sqlite")
+        # Where "now" comes from on SQLite (PostgreSQL uses its own now()); testing.Fake moves it.
+        self.clock: Callable[[], datetime] = utcnow
         self.is_postgres = self.url.startswith("postgresql")
         self._pool_size = pool_size
         self._echo = echo
@@ -165,6 +226,13 @@ class Database:
         if self.bad_url is not None:
             raise InvalidDefinition(self.bad_url)
         if self._engine is None or self._pid != os.getpid():
+            if self.memory and self._engine is not None:
+                # A forked process (a prefork pool child) would see a copy that parts ways
+                # with this one at once: refuse, as the store is one process only.
+                raise Unsupported(
+                    f"worker: a forked process unsupported by this backend (missing MULTI_PROCESS): "
+                    f"memory://{self.memory} lives in process {self._pid}; use --pool threads or solo"
+                )
             with self._lock:
                 if self._engine is None or self._pid != os.getpid():
                     if self._engine is not None:
@@ -193,6 +261,11 @@ class Database:
 
             event.listen(engine, "begin", _sqlite_begin)
             event.listen(engine, "handle_error", self._raise_unavailable)
+            if self.memory:  # migrated on first use
+                with engine.connect() as conn:
+                    conn.info["write"] = True
+                    with conn.begin():
+                        _create_schema(conn)
             return engine
         engine = create_engine(
             self.url,
@@ -258,9 +331,13 @@ class Database:
         with conn.begin():
             yield conn
 
+    def utcnow(self) -> datetime:
+        """The current time on this database's clock as this process sees it."""
+        return self.clock()
+
     def now(self) -> Any:
         """The database's clock as a SQL expression (PostgreSQL), or this host's (SQLite)."""
-        return func.now() if self.is_postgres else utcnow()
+        return func.now() if self.is_postgres else self.clock()
 
     def later(self, seconds: float) -> Any:
         """``now() + seconds`` on the same clock as :meth:`now`."""
@@ -288,7 +365,7 @@ class Database:
         """The bound values for the Clock values named in ``clocks``."""
         if self.is_postgres:
             return {n: timedelta(seconds=c.seconds) for n, c in clocks.items() if c.seconds != 0}
-        now = utcnow()
+        now = self.clock()
         return {n: now + timedelta(seconds=c.seconds) for n, c in clocks.items()}
 
     def bind(
@@ -316,6 +393,23 @@ class Database:
         params = {prefix + k: v for k, v in values.items() if not isinstance(v, Clock)}
         params.update(self.clock_params({prefix + k: v for k, v in values.items() if isinstance(v, Clock)}))
         return params
+
+
+def _create_schema(conn: Connection) -> None:
+    """An in-memory store's tables, made from schema.py and stamped with the newest revision
+    (what ``migrate()`` would reach, in one step); nothing when they are there."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    from .migrate import SCRIPTS, VERSION_TABLE
+    from .schema import metadata
+
+    context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+    if context.get_current_revision() is not None:
+        return
+    metadata.create_all(conn)
+    head = ScriptDirectory(str(SCRIPTS)).get_current_head()
+    context.stamp(ScriptDirectory(str(SCRIPTS)), head or "base")
 
 
 def shape(values: dict[str, Any]) -> tuple[Any, ...]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
-from .db import Database, utcnow
+from .db import Database
 from .schema import events, runs
 
 
@@ -110,4 +110,4 @@ def wait_left_txn(db: Database, conn: Connection, run_id: str) -> float | None:
         from datetime import timezone
 
         until = until.replace(tzinfo=timezone.utc)
-    return float((until - utcnow()).total_seconds())
+    return float((until - db.utcnow()).total_seconds())

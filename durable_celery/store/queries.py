@@ -24,7 +24,7 @@ from sqlalchemy import (
     update,
 )
 
-from .db import Clock, Database, shape, utcnow
+from .db import Clock, Database, shape
 from .queue_rows import paused_exists
 from .schema import keys, runs, steps
 
@@ -342,7 +342,7 @@ def mark_relayed_txn(db: Database, conn: Connection, rows: Sequence[dict[str, An
         params = [{**r, "b_after": timedelta(seconds=r["b_after"])} for r in rows]
     else:
         resend_at = bindparam("b_at", type_=DateTime(timezone=True))
-        now = utcnow()
+        now = db.utcnow()
         params = [{**r, "b_at": now + timedelta(seconds=r["b_after"])} for r in rows]
     query = (
         update(runs)
@@ -495,3 +495,21 @@ def fail_unclaimed_txn(
         .values(status="failed", error=error, finished_at=db.now(), due_at=None, published=False)
     )
     return bool(conn.execute(query).rowcount == 1)
+
+
+def due_now(db: Database, conn: Connection, limit: int, *where: Any) -> Sequence[Any]:
+    """Unlocked runs due now in a queue that is not paused, oldest due first: what a step
+    runner in the calling thread (testing.Fake, eager mode) takes next."""
+    query = (
+        select(runs.c.id, runs.c.workflow, runs.c.step_index, runs.c.status)
+        .where(
+            runs.c.due_at <= db.now(),
+            runs.c.locked_by.is_(None),
+            runs.c.status.in_(RELAYED),
+            ~paused_exists(),
+            *where,
+        )
+        .order_by(runs.c.due_at, runs.c.id)
+        .limit(limit)
+    )
+    return conn.execute(query).all()

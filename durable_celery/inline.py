@@ -1,0 +1,62 @@
+"""Steps run in the calling thread: ``testing.Fake.run_until_idle()`` and eager mode.
+
+The runner takes due runs from the database, as a worker takes messages, and hands each to
+``Engine.execute``: the same claim, fencing, recording and key rules as a worker, minus the
+broker. Nothing is published while it runs (``Durable.inline``); each step's record makes the
+next one due, and the runner picks it up on its next pass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sqlalchemy import or_
+
+from .errors import DurableError
+from .store import queries
+from .store.schema import runs
+
+if TYPE_CHECKING:
+    from .app import Durable
+
+MAX_STEPS = 10_000  # a workflow that never goes idle (a step snoozing 0 s forever) is stopped
+BATCH = 100
+
+
+def run_due(durable: Durable, *, only: list[str] | None = None, max_steps: int = MAX_STEPS) -> int:
+    """Run every due step until none is due; returns how many ran.
+
+    With ``only``, just those runs and the children they start; else every run, with the
+    upkeep sweeps (workflow timeouts, missed wake-ups, children of cancelled parents) between
+    passes. DurableError after ``max_steps`` steps.
+    """
+    from .upkeep import cancel_orphans_once, fail_overdue_once, wake_missed_once
+
+    tracked = set(only) if only is not None else None
+    ran = 0
+    while True:
+        swept = 0
+        if tracked is None:
+            swept = len(fail_overdue_once(durable)) + wake_missed_once(durable)
+            swept += len(cancel_orphans_once(durable))
+        where = () if tracked is None else (or_(runs.c.id.in_(tracked), runs.c.parent_id.in_(tracked)),)
+        with durable.db.engine.connect() as conn:
+            known = runs.c.workflow.in_(list(durable.workflows))
+            due = queries.due_now(durable.db, conn, BATCH, known, *where)
+        if not due and not swept:
+            return ran
+        for row in due:
+            if tracked is not None:
+                tracked.add(row.id)
+            if ran >= max_steps:
+                raise DurableError(f"still not idle after {max_steps} steps (run {row.id} is due again)")
+            workflow = durable.workflows[row.workflow]
+            step = workflow.steps[row.step_index]
+            durable.engine.execute(workflow, step, row.id, compensate=row.status == "compensating")
+            ran += 1
+
+
+def run_eagerly(durable: Durable, run_id: str) -> int:
+    """Eager mode (``task_always_eager``): run this run's steps, and its children's, until it
+    finishes or waits; returns how many steps ran."""
+    return run_due(durable, only=[run_id])
