@@ -87,6 +87,9 @@ class Durable:
         self._claimed = capabilities
         # Steps run in the calling thread (testing.Fake, task_always_eager): nothing is published.
         self.inline = False
+        # Called after a step's task is registered (testing.worker: a worker already running in
+        # this process learns tasks defined after it started).
+        self.on_new_task: list[Callable[[], None]] = []
         self.workflows: dict[str, Workflow] = {}
         self.engine = Engine(self)
         self.stats = Stats(self)
@@ -212,6 +215,8 @@ class Durable:
             durable_workflow=workflow_name,
             durable_step=index,
         )(run_step)
+        for hook in list(self.on_new_task):
+            hook()
 
     def adopt(self, workflow: Workflow) -> None:
         """Make sure a shared workflow is known here (used by ``Workflow.start``)."""

@@ -30,15 +30,10 @@ def run_due(durable: Durable, *, only: list[str] | None = None, max_steps: int =
     upkeep sweeps (workflow timeouts, missed wake-ups, children of cancelled parents) between
     passes. DurableError after ``max_steps`` steps.
     """
-    from .upkeep import cancel_orphans_once, fail_overdue_once, wake_missed_once
-
     tracked = set(only) if only is not None else None
     ran = 0
     while True:
-        swept = 0
-        if tracked is None:
-            swept = len(fail_overdue_once(durable)) + wake_missed_once(durable)
-            swept += len(cancel_orphans_once(durable))
+        swept = sweep(durable) if tracked is None else 0
         where = () if tracked is None else (or_(runs.c.id.in_(tracked), runs.c.parent_id.in_(tracked)),)
         with durable.db.engine.connect() as conn:
             known = runs.c.workflow.in_(list(durable.workflows))
@@ -54,6 +49,15 @@ def run_due(durable: Durable, *, only: list[str] | None = None, max_steps: int =
             step = workflow.steps[row.step_index]
             durable.engine.execute(workflow, step, row.id, compensate=row.status == "compensating")
             ran += 1
+
+
+def sweep(durable: Durable) -> int:
+    """One pass of the upkeep sweeps a worker makes: workflow timeouts, missed wake-ups,
+    children of cancelled parents; returns how many runs they changed."""
+    from .upkeep import cancel_orphans_once, fail_overdue_once, wake_missed_once
+
+    changed = len(fail_overdue_once(durable)) + wake_missed_once(durable)
+    return changed + len(cancel_orphans_once(durable))
 
 
 def run_eagerly(durable: Durable, run_id: str) -> int:

@@ -28,7 +28,7 @@ from .capabilities import Capability, require
 from .context import RunContext, enter, leave
 from .definition import Workflow
 from .errors import InvalidArgument
-from .inline import MAX_STEPS, run_due
+from .inline import MAX_STEPS, run_due, sweep
 from .models import Run
 from .store.schema import FINISHED
 
@@ -44,7 +44,12 @@ def worker(
     queues: list[str] | None = None,
     **options: Any,
 ) -> Iterator[Any]:
-    """Run a real Celery worker (thread pool) for ``durable.app`` inside this process."""
+    """Run a real Celery worker (thread pool) for ``durable.app`` inside this process; for a
+    ``Fake``, run its due steps in a background thread with its clock following real time."""
+    if isinstance(durable, Fake):
+        with durable.running():
+            yield None
+        return
     # Celery's worker reuses the process's current kombu event loop when one is set; two
     # workers running at once in one process would then drive one hub from two threads (and
     # block on each other's sockets). Each worker started here gets a hub of its own.
@@ -62,9 +67,17 @@ def worker(
         shutdown_timeout=30,
         **options,
     ) as controller:
+
+        def learn_new_tasks() -> None:  # steps defined after the worker started
+            consumer = getattr(controller, "consumer", None)
+            if consumer is not None and getattr(consumer, "strategies", None) is not None:
+                consumer.update_strategies()
+
+        durable.on_new_task.append(learn_new_tasks)
         try:
             yield controller
         finally:
+            durable.on_new_task.remove(learn_new_tasks)
             worker_state.should_terminate = 0  # what start_worker sets on exit, set first
             _wake(durable, queues)
 
@@ -100,17 +113,24 @@ def wait_for(
 
 
 class FakeClock:
-    """The time a Fake's store sees: starts at the real time, moves only by ``advance``."""
+    """The time a Fake's store sees: starts at the real time and moves only by ``advance``,
+    except while it follows real time (``Fake.running``)."""
 
     def __init__(self, start: datetime | None = None) -> None:
         self._now = start or datetime.now(timezone.utc)
         if self._now.tzinfo is None:
             raise InvalidArgument("a FakeClock starts at a timezone-aware datetime")
         self._lock = threading.Lock()
+        self._since: float | None = None  # monotonic time it started following real time
 
     def __call__(self) -> datetime:
         with self._lock:
+            return self._read()
+
+    def _read(self) -> datetime:
+        if self._since is None:
             return self._now
+        return self._now + timedelta(seconds=time.monotonic() - self._since)
 
     def advance(self, seconds: float) -> datetime:
         """Move the clock ``seconds`` forward; returns the new time."""
@@ -118,7 +138,13 @@ class FakeClock:
             raise InvalidArgument(f"seconds must be a number >= 0, not {seconds!r}")
         with self._lock:
             self._now += timedelta(seconds=seconds)
-            return self._now
+            return self._read()
+
+    def follow_real_time(self, on: bool) -> None:
+        """Start (or stop) moving with real time from where the clock is."""
+        with self._lock:
+            self._now = self._read()
+            self._since = time.monotonic() if on else None
 
 
 class Fake(Durable):
@@ -128,7 +154,8 @@ class Fake(Durable):
     reading, control); nothing is sent to a broker. ``run_until_idle()`` runs every due step;
     ``advance(seconds)`` moves the store's clock, so sleeps, debounce, backoff, wait timeouts
     and workflow timeouts come due without waiting. Built with fewer ``capabilities`` it
-    refuses what needs the others, as such a backend would (``Unsupported``).
+    refuses what needs the others, as such a backend would (``Unsupported``). Two Fakes
+    given the same ``store="memory://NAME"`` share their runs.
     """
 
     def __init__(
@@ -137,12 +164,15 @@ class Fake(Durable):
         *,
         capabilities: Capability = Capability.ALL,
         start_time: datetime | None = None,
+        store: str = "memory://",
         **settings: Any,
     ) -> None:
         if app is None:
             name = f"durable-fake-{uuid.uuid4().hex[:8]}"
             app = Celery(name, broker="memory://localhost/", set_as_current=False)
-        super().__init__(app, "memory://", capabilities=capabilities, **settings)
+        if not store.startswith("memory://"):
+            raise InvalidArgument(f"a Fake keeps its runs in a memory:// store, not {store!r}")
+        super().__init__(app, store, capabilities=capabilities, **settings)
         self.inline = True
         self.clock = FakeClock(start_time)
         self.db.clock = self.clock
@@ -168,9 +198,42 @@ class Fake(Durable):
         """Run every due step, and the upkeep sweeps, until nothing is due; returns the steps run."""
         return run_due(self, max_steps=max_steps)
 
+    @contextmanager
+    def running(self, poll: float = 0.01) -> Iterator[Fake]:
+        """Run due steps in a background thread, like a worker, while the block runs; the
+        clock follows real time meanwhile (so tests written for a real worker run here too)."""
+        stop, failed = threading.Event(), []
+
+        def loop(work: Any) -> None:
+            while not stop.is_set():
+                try:
+                    if not work(self):
+                        stop.wait(poll)
+                except Exception as exc:  # a bug in the library, not a failed step: make it loud
+                    failed.append(exc)
+                    return
+
+        self.clock.follow_real_time(True)
+        # Steps in one thread; the sweeps (workflow timeouts...) beside them, as upkeep does.
+        threads = [
+            threading.Thread(target=loop, args=(work,), name=f"durable-fake-{name}", daemon=True)
+            for name, work in (("runner", run_due), ("sweeper", sweep))
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+            self.clock.follow_real_time(False)
+        if failed:
+            raise failed[0]
+
     def close(self) -> None:
-        """Let go of the in-memory store."""
-        self.db.dispose()
+        """Delete the Fake's store (a store shared by name is deleted for every Fake on it)."""
+        self.db.drop_memory_store()
 
 
 # -- one step, called directly ------------------------------------------------------------------

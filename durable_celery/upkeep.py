@@ -30,6 +30,7 @@ from sqlalchemy import Connection
 
 from . import prune, queues, signals
 from .app_argument import app_argument as _app_argument
+from .capabilities import Capability
 from .keys import end_run_txn
 from .nodes import Node
 from .observe import ACTIVITY_KEPT
@@ -326,6 +327,23 @@ def refuse_old_schema(durable: Durable) -> None:
         raise WorkerShutdown(1)
 
 
+def refuse_forking_pool(durable: Durable, worker: Any) -> None:
+    """Stop a starting worker whose pool forks processes when the store is one process only
+    (the in-memory store): each pool process would see a copy of its own."""
+    pool = getattr(worker, "pool", None)
+    if Capability.MULTI_PROCESS in durable.capabilities or pool is None:
+        return
+    if type(pool).__module__.rsplit(".", 1)[-1] != "prefork":
+        return
+    message = (
+        f"durable: the {durable.db.masked_url} store is one process only (missing MULTI_PROCESS): "
+        "start this worker with --pool threads (or solo), or give Durable a database URL"
+    )
+    log.critical(message)
+    print(message, file=sys.stderr, flush=True)
+    raise WorkerShutdown(1)
+
+
 def install(durable: Durable) -> None:
     """Run upkeep inside every worker of ``durable.app`` (a worker bootstep)."""
 
@@ -340,6 +358,7 @@ def install(durable: Durable) -> None:
             return Upkeep(durable, worker) if durable.settings.upkeep else None
 
         def start(self, worker: Any) -> None:
+            refuse_forking_pool(durable, worker)
             refuse_old_schema(durable)
             durable.engine.undrain()
             super().start(worker)

@@ -27,6 +27,7 @@ import redis
 from celery import Celery
 
 from durable_celery import Durable
+from durable_celery.testing import Fake
 
 
 def _spare_port() -> int:
@@ -194,7 +195,9 @@ def make_durable(backend: str, request: pytest.FixtureRequest, tmp_path: Any) ->
     """Build a Celery app and its Durable on this test's backend; each gets its own queue."""
     created: list[Durable] = []
     queue = f"q-{uuid.uuid4().hex[:8]}"
-    if backend == "postgres":
+    if backend == "fake":
+        url, broker = f"memory://{uuid.uuid4().hex}", "memory://localhost/"
+    elif backend == "postgres":
         request.getfixturevalue("redis_client")
         url, broker = request.getfixturevalue("pg_url"), REDIS_URL
     else:
@@ -203,6 +206,11 @@ def make_durable(backend: str, request: pytest.FixtureRequest, tmp_path: Any) ->
             url = f"memory://{uuid.uuid4().hex}"
 
     def make(name: str = "tests", *, broker_url: str | None = None, **settings: Any) -> Durable:
+        if backend == "fake":  # testing.Fake: the memory store, steps run by testing.worker's thread
+            app = Celery(name, broker="memory://localhost/", set_as_current=True)
+            fake = Fake(app, store=url, **{**FAST, **settings})
+            created.append(fake)
+            return fake
         app = Celery(name, broker=broker_url or broker, set_as_current=True)
         app.conf.task_default_queue = queue
         app.conf.broker_connection_retry_on_startup = True

@@ -218,6 +218,9 @@ class Database:
         self._engine: Engine | None = None
         self._pid = os.getpid()
         self._statements: dict[Any, Any] = {}
+        if self.memory:
+            # Made now, with its tables, so it is in WAL mode before anyone else opens the file.
+            _ = self.engine
 
     @property
     def engine(self) -> Engine:
@@ -301,6 +304,12 @@ class Database:
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
+
+    def drop_memory_store(self) -> None:
+        """Close and delete an in-memory store (``memory://NAME`` included) now."""
+        if self.memory:
+            self.dispose()
+            _remove(make_url(self.url).database or "", self._pid)
 
     @contextmanager
     def begin(self) -> Iterator[Connection]:

@@ -20,6 +20,12 @@ from tests.integration.test_keys_rules import define, holders, make_holder
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture(params=["postgres", "sqlite", "fake"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """These rules also hold on testing.Fake (the memory store), so it cannot drift from them."""
+    return str(request.param)
+
+
 def test_release_key_lets_a_never_key_run_again(durable):
     wf = define(durable, reuse="never")
     released = []
