@@ -25,6 +25,7 @@ import psycopg
 import pytest
 import redis
 from celery import Celery
+from hypothesis import HealthCheck, settings
 
 from durable_celery import Durable
 from durable_celery.testing import Fake
@@ -42,6 +43,17 @@ def _spare_port() -> int:
             return port
     raise RuntimeError("no free port in 20000-29999 for the test redis-server")
 
+
+# Hypothesis profiles of the model suite (tests/model): ``ci`` by default, ``long`` with
+# ``--hypothesis-profile=long``. Registered here so that option works from any command line.
+_HYPOTHESIS = {
+    "deadline": None,  # a step is a few database round trips; their time varies on a busy machine
+    "database": None,  # failures are kept as explicit tests (tests/model/test_key_model_regressions.py)
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
+    "print_blob": True,
+}
+settings.register_profile("ci", max_examples=60, stateful_step_count=30, **_HYPOTHESIS)
+settings.register_profile("long", max_examples=1000, stateful_step_count=50, **_HYPOTHESIS)
 
 PG_HOST = os.environ.get("DURABLE_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
 # Tests import REDIS_URL: it is fixed here, and the private server starts on this port later.
