@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 from sqlalchemy import create_engine, text
@@ -46,3 +53,34 @@ def prepare_database(url: str, fresh: bool = False) -> str:
     finally:
         admin.dispose()
     return parsed.render_as_string(hide_password=False)
+
+
+@contextmanager
+def private_redis() -> Iterator[str]:
+    """A ``redis-server`` of this process on a spare port (no persistence), stopped on exit;
+    yields its URL. Nothing on a shared Redis is touched."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    folder = tempfile.mkdtemp(prefix="bench-redis-")
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", folder],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise click.ClickException("redis-server did not start (is it on the PATH?)") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(10)
+        shutil.rmtree(folder, ignore_errors=True)

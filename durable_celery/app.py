@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import beat, control, observe, schedule_fires, schedules, tracing, transport
+from . import beat, continuation, control, observe, schedule_fires, schedules, tracing, transport
 from .capabilities import Capability, of_backend, require
 from .definition import SendEvent, Step, Workflow, check_input, check_on_duplicate
 from .engine import Engine
@@ -194,7 +194,11 @@ class Durable:
             # The task's Celery state tells what the attempt came to (task_states.py).
             compensate = phase == "compensate"
             wf = durable.workflows[workflow_name or ""]
-            result = durable.engine.execute_with_result(wf, wf.steps[index], run_id, compensate=compensate)
+            queue = (task.request.delivery_info or {}).get("routing_key")
+            events = task_states.InlineEvents(task) if durable.engine.task_events.value else None
+            result = continuation.run_message(
+                durable.engine, wf, wf.steps[index], run_id, compensate, queue, events
+            )
             return task_states.task_result(
                 result, task.request, run_id, wf, wf.steps[index], compensate, durable.backoff
             )
@@ -339,12 +343,12 @@ class Durable:
         database by whoever runs steps in the calling thread."""
         if self.inline or self.eager:
             return True
+        from .task_states import shown_kwargs
+
         step = workflow.steps[step_index]
         kwargs: dict[str, Any] = {"run_id": run_id, "step": step_index, "attempt": attempt}
-        shown = f"{{run_id: {run_id}, key: {key!r}, step: {step.name}, attempt: {attempt}"
         if compensate:
             kwargs["phase"] = "compensate"
-            shown += ", phase: compensate"
         queue = workflow.queue_for(step, None)
         options: dict[str, Any] = {"queue": queue} if queue else {}
         policy = {
@@ -359,7 +363,7 @@ class Durable:
                 kwargs=kwargs,
                 serializer="json",
                 argsrepr="()",
-                kwargsrepr=shown + "}",
+                kwargsrepr=shown_kwargs(run_id, key, step.name, attempt, compensate),
                 retry=True,
                 retry_policy=policy,
                 **options,

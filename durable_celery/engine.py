@@ -12,7 +12,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import instrument, signals
+from . import continuation, instrument, signals
 from .context import RunContext, enter, leave
 from .definition import Step, Workflow
 from .errors import DatabaseUnavailable, DurableError, RunStopped, StepTimeout, WorkerLost
@@ -70,6 +70,9 @@ class MessageResult:
     status: str
     error: BaseException | None = None
     attempt: int = 0
+    # The run's next step, claimed by this worker in the statement that recorded this one
+    # (continuation.py runs it in the same task execution).
+    continued: Any = None
 
 
 class Engine:
@@ -82,6 +85,8 @@ class Engine:
         self.fenced_count = 0
         # When the grace period of a shutdown ends (0: not shutting down), in shared memory.
         self._drain_at = multiprocessing.RawValue("d", 0.0)
+        # Whether the worker sends task events (set by its upkeep), for inline steps' events.
+        self.task_events = multiprocessing.RawValue("b", 0)
         self.worker_pid = 0  # the Celery worker process this engine runs in, once it starts (upkeep.py)
 
     @property
@@ -121,6 +126,12 @@ class Engine:
         if row is None:
             log.debug("durable: dropped message for run %s step %s", run_id, step.name)
             return MessageResult("dropped")
+        return self.run_claimed(workflow, step, row, compensate)
+
+    def run_claimed(
+        self, workflow: Workflow, step: Step, row: Any, compensate: bool = False
+    ) -> MessageResult:
+        """Run a step (or compensation) of a run this worker has claimed, and record it."""
         ctx = RunContext(
             id=row.id,
             workflow=row.workflow,
@@ -157,7 +168,7 @@ class Engine:
             status = self._record_compensation(workflow, step, row, ctx, outcome, started)
         else:
             status = self._record(workflow, step, row, ctx, outcome, started)
-        return MessageResult(status, outcome.error, row.attempt)
+        return MessageResult(status, outcome.error, row.attempt, continuation.take_claimed())
 
     def _call(self, step: Step, ctx: RunContext, compensate: bool = False) -> Outcome:
         active = ctx._active
@@ -204,8 +215,12 @@ class Engine:
         ('retrying', 'failed', ...; 'dropped' when the process held no lock on the run)."""
         with self.db.engine.connect() as conn:
             row = queries.run_held_by(conn, run_id, f"{process_node(pid)}:")
-        if row is None or row.step_index != step.index:
+        if row is None:
             return "dropped"  # it died before its claim, or after its record
+        if row.step_index != step.index:
+            if compensate or row.status != "running" or row.step_index >= len(workflow.steps):
+                return "dropped"
+            step = workflow.steps[row.step_index]  # a step it went on to inline (continuation.py)
         ctx = RunContext(
             id=row.id,
             workflow=row.workflow,
@@ -262,7 +277,8 @@ class Engine:
             step_row.update(status="completed", output=outcome.value)
         else:
             step_row.update(status="failed", error=error_record(outcome.error))
-        recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
+        go_on = continuation.go_on(self, status, run_values)  # claim the next step as well?
+        recorded, fence_now = self._write(workflow, row, status, run_values, step_row, go_on)
         if not recorded:
             return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         signals.step_finished.send(
@@ -274,16 +290,19 @@ class Engine:
             status=step_row["status"],
             duration=(step_row["finished_at"] - started).total_seconds(),
         )
-        self._after_write(workflow, row, status, run_values)
+        self._after_write(workflow, row, status, run_values, sent=go_on is None)
         return status
 
-    def _after_write(self, workflow: Workflow, row: Any, status: str, run_values: dict[str, Any]) -> None:
-        """Signal a finished run, or send the message for what the run does next."""
+    def _after_write(
+        self, workflow: Workflow, row: Any, status: str, run_values: dict[str, Any], sent: bool = True
+    ) -> None:
+        """Signal a finished run, or send the message for what the run does next (none when
+        this worker took its next step itself, or left it for a paused queue's resume)."""
         if status in ENDED:
             signals.run_finished.send(
                 sender=self.durable, run_id=row.id, workflow=row.workflow, status=status
             )
-        elif status in ("running", "compensating") and run_values.get("published"):
+        elif sent and status in ("running", "compensating") and run_values.get("published"):
             index = run_values["step_index"]
             compensate = status == "compensating"
             self.durable.publish(workflow, index, row.id, 1, row.key, compensate=compensate)
@@ -295,8 +314,10 @@ class Engine:
         status: str,
         run_values: dict[str, Any],
         step_row: dict[str, Any],
+        go_on: queries.GoOn | None = None,
     ) -> tuple[bool, int | None]:
-        """Write the step's outcome and the run's next state: (recorded, fence if not).
+        """Write the step's outcome and the run's next state: (recorded, fence if not); with
+        ``go_on``, claim the next step too (continuation.py).
 
         A database outage does not cost the step: the write is tried again until the database
         is back (no sweep hands the run away before it has seen the database for
@@ -306,7 +327,7 @@ class Engine:
         waited, pause = 0.0, 0.2
         while True:
             try:
-                recorded, fence_now = self._write_once(workflow, row, status, run_values, step_row)
+                recorded, fence_now = self._write_once(workflow, row, status, run_values, step_row, go_on)
             except DatabaseUnavailable as exc:
                 if self.drain_over():
                     raise
@@ -319,6 +340,9 @@ class Engine:
                 continue
             if not recorded and waited and self._wrote_before(row, step_row):
                 log.warning("durable: run %s: the outcome was recorded before the outage ended", row.id)
+                if go_on is not None:
+                    with self.db.engine.connect() as conn:
+                        continuation.claimed(queries.run_held_by(conn, row.id, go_on.node), go_on)
                 return True, None
             return recorded, fence_now
 
@@ -341,18 +365,23 @@ class Engine:
         status: str,
         run_values: dict[str, Any],
         step_row: dict[str, Any],
+        go_on: queries.GoOn | None = None,
     ) -> tuple[bool, int | None]:
         finishing = status in ENDED
         settled = None
         if self.db.is_postgres and not (finishing and (row.key or row.parent_id)):
             with self.db.single() as conn:  # one statement, committed on its own
-                recorded = queries.record_step(self.db, conn, row.id, row.fence, run_values, step_row)
+                written = queries.record_step(self.db, conn, row.id, row.fence, run_values, step_row, go_on)
+                recorded = written is not None
                 fence_now = None if recorded else queries.run_fence(conn, row.id)
         else:
             with self.db.begin() as conn:
                 # The key row is locked before the run row, the order every transaction keeps.
                 key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
-                recorded = queries.record_step_txn(self.db, conn, row.id, row.fence, run_values, step_row)
+                written = queries.record_step_txn(
+                    self.db, conn, row.id, row.fence, run_values, step_row, go_on
+                )
+                recorded = written is not None
                 fence_now = None if recorded else queries.run_fence(conn, row.id)
                 if recorded and key_row is not None:
                     settled = settle_waiting_txn(self.durable, conn, key_row, status, workflow)
@@ -360,6 +389,8 @@ class Engine:
                     settled = wake_parent_txn(self.durable, conn, row.id, settled)
         if settled is not None:
             settled.after_commit(self.durable)
+        if go_on is not None:
+            continuation.claimed(written, go_on)
         return recorded, fence_now
 
     def _next_state(

@@ -52,6 +52,11 @@ class Settings:
     prune_interval: float = 3600.0
     # A start whose input is larger than this as JSON (UTF-8 bytes) is refused (InvalidStart).
     max_input_bytes: int = 1_000_000
+    # Inline continuation (continuation.py): a worker runs up to this many following steps of a
+    # run in the task execution that ran its step (0: one broker message per step), for at
+    # most inline_seconds, then publishes the next one.
+    inline_steps: int = 20
+    inline_seconds: float = 10.0
 
     def __repr__(self) -> str:
         shown = []
@@ -93,10 +98,12 @@ class Settings:
             "missing_code_retry",
             "schedule_pickup_timeout",
             "prune_interval",
+            "inline_seconds",
         ):
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+        _check_inline_steps(settings.inline_steps)
         limit = settings.schedule_max_failures
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
@@ -107,6 +114,11 @@ class Settings:
             path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
             settings = replace(settings, database_url=f"sqlite:///{path}")
         return settings
+
+
+def _check_inline_steps(steps: Any) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise InvalidDefinition(f"inline_steps must be an int >= 0, not {steps!r}")
 
 
 def _check_metrics_addr(addr: Any) -> None:

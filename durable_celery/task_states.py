@@ -8,6 +8,10 @@ stays in the database, and every message is acked.
 
 from __future__ import annotations
 
+import os
+import time
+import traceback
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -103,3 +107,82 @@ class StateRequest(StepRequest):
                 exc = exc.exc
             if isinstance(exc, Ignored):
                 self.send_event("task-ignored", result=str(exc))
+
+
+def shown_kwargs(run_id: str, key: str | None, step: str, attempt: int, compensate: bool = False) -> str:
+    """A step task's kwargs as Flower shows them (``kwargsrepr``): the run, its key, the step."""
+    shown = f"{{run_id: {run_id}, key: {key!r}, step: {step}, attempt: {attempt}"
+    return shown + (", phase: compensate}" if compensate else "}")
+
+
+class InlineEvents:
+    """Task events for the steps a message runs inline (continuation.py), so each appears in
+    Flower as a task of its own, named and shown like a published one, with its true state.
+    Made only while the worker sends task events."""
+
+    def __init__(self, task: Any) -> None:
+        self.app = task.app
+        request = task.request
+        self.hostname = request.hostname
+        self.parent_id = request.id
+        self.root_id = request.root_id or request.id
+        self._dispatcher: Any = None
+
+    def _send(self, type_: str, **fields: Any) -> None:
+        try:
+            if self._dispatcher is None:
+                self._dispatcher = self.app.events.Dispatcher(
+                    self.app.connection_for_write(), hostname=self.hostname, enabled=True
+                )
+            self._dispatcher.send(type_, **fields)
+        except Exception:  # events are for watching: never fail a step over one
+            self.close()
+
+    def started(self, workflow: Workflow, step: Step, row: Any) -> tuple[str, float, str]:
+        """Announce an inline step as received and started; returns its task id, start time
+        and run id."""
+        task_id = str(uuid.uuid4())
+        self._send(
+            "task-received",
+            uuid=task_id,
+            name=step.task_name,
+            args="()",
+            kwargs=shown_kwargs(row.id, row.key, step.name, row.attempt),
+            root_id=self.root_id,
+            parent_id=self.parent_id,
+            retries=0,
+            eta=None,
+            expires=None,
+        )
+        self._send("task-started", uuid=task_id, pid=os.getpid())
+        return task_id, time.monotonic(), row.id
+
+    def finished(
+        self, shown: tuple[str, float, str], workflow: Workflow, step: Step, result: MessageResult
+    ) -> None:
+        """Announce what the inline step came to: succeeded, retried, failed or ignored."""
+        task_id, began, run_id = shown
+        state = celery_state(result, False)
+        summary: dict[str, Any] = {"run_id": run_id, "step": step.name}
+        if state == states.SUCCESS:
+            following = _following(workflow, step, False, result.status)
+            summary.update({"next": following} if following else {"run": result.status})
+            runtime = time.monotonic() - began
+            self._send("task-succeeded", uuid=task_id, result=safe_repr(summary), runtime=runtime)
+        elif state in (states.RETRY, states.FAILURE) and result.error is not None:
+            error = result.error
+            kind = "task-retried" if state == states.RETRY else "task-failed"
+            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self._send(kind, uuid=task_id, exception=safe_repr(error), traceback=trace)
+        else:
+            self._send("task-ignored", uuid=task_id, result=safe_repr({**summary, "outcome": result.status}))
+
+    def close(self) -> None:
+        """Release the events connection."""
+        dispatcher, self._dispatcher = self._dispatcher, None
+        if dispatcher is not None:
+            try:
+                dispatcher.close()
+                dispatcher.connection.release()
+            except Exception:
+                pass

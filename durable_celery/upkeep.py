@@ -167,6 +167,7 @@ class Upkeep:
     def __init__(self, durable: Durable, worker: Any = None) -> None:
         self.durable = durable
         self.node = Node(durable, worker) if worker is not None else None
+        self.worker = worker
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._failing: set[str] = set()  # jobs failing now: logged once per outage
@@ -204,7 +205,9 @@ class Upkeep:
         s = self.durable.settings
         self._guarded(self._register_node)
         delay = s.poll_interval
+        self._note_task_events()
         while not self._wait(delay):
+            self._note_task_events()
             self._guarded(self._reconcile_queues)
             try:
                 self._guarded(relay_once, raising=(BrokerDown,))
@@ -213,6 +216,14 @@ class Upkeep:
                 if delay == s.poll_interval:
                     log.warning("durable relay: %s; trying again with growing pauses", exc)
                 delay = min(max(delay, 0.5) * 2, max(RELAY_BACKOFF_MAX, s.poll_interval))
+
+    def _note_task_events(self) -> None:
+        """Tell this worker's processes whether it sends task events (``-E``, or Flower's
+        ``enable_events``): inline steps send theirs then (continuation.py)."""
+        dispatcher = getattr(getattr(self.worker, "consumer", None), "event_dispatcher", None)
+        groups = getattr(dispatcher, "groups", None)
+        on = bool(getattr(dispatcher, "enabled", False)) and (not groups or "task" in groups)
+        self.durable.engine.task_events.value = int(on)
 
     def _sweep_loop(self) -> None:
         s = self.durable.settings

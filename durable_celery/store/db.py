@@ -378,7 +378,7 @@ class Database:
         return {n: now + timedelta(seconds=c.seconds) for n, c in clocks.items()}
 
     def bind(
-        self, name: str, columns: Any, values: dict[str, Any], build: Callable[..., Any]
+        self, name: Any, columns: Any, values: dict[str, Any], build: Callable[..., Any]
     ) -> tuple[Any, dict[str, Any]]:
         """A cached statement for these value columns, and its parameters.
 

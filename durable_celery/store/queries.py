@@ -17,8 +17,10 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    exists,
     func,
     insert,
+    null,
     or_,
     select,
     update,
@@ -26,7 +28,7 @@ from sqlalchemy import (
 
 from .db import Clock, Database, shape
 from .queue_rows import paused_exists
-from .schema import keys, runs, steps
+from .schema import keys, queues, runs, steps
 
 # A waiting run is claimable once due: its timeout passed or its event came.
 CLAIMABLE = ("pending", "running", "waiting")
@@ -186,6 +188,46 @@ def _held_run_update(set_values: dict[str, Any]) -> Any:
     )
 
 
+class GoOn:
+    """Claim the run's next step for ``node`` in the statement that records this one (inline
+    continuation, engine.py), unless the next step's ``queue`` is paused."""
+
+    __slots__ = ("node", "queue")
+
+    def __init__(self, node: str, queue: str) -> None:
+        self.node, self.queue = node, queue
+
+
+def _go_on_values(db: Database) -> dict[str, Any]:
+    """SET expressions of an inline continuation: held by this worker under a new fence, or,
+    when the next step's queue is paused, due with no message (the resume re-arms it)."""
+    paused = exists().where(queues.c.name == bindparam("c_queue"), queues.c.paused.is_(True))
+    now = db.clock_expression("c_now", Clock())
+    return {
+        "locked_by": case((paused, null()), else_=bindparam("c_node")),
+        "heartbeat_at": case((paused, null()), else_=now),
+        "due_at": case((paused, now), else_=null()),
+        "fence": runs.c.fence + 1,
+        "published": False,
+        "resends": 0,
+        "resend_at": None,
+    }
+
+
+def _go_on_params(db: Database, go_on: GoOn | None) -> dict[str, Any]:
+    if go_on is None:
+        return {}
+    return {"c_node": go_on.node, "c_queue": go_on.queue, **db.clock_params({"c_now": Clock()})}
+
+
+def _record_values(run_values: dict[str, Any], go_on: GoOn | None) -> dict[str, Any]:
+    values = {"locked_by": None, "heartbeat_at": None, **run_values}
+    if go_on is not None:
+        for column in ("locked_by", "heartbeat_at", "due_at", "published", "resends", "resend_at"):
+            values.pop(column, None)
+    return values
+
+
 def record_step_txn(
     db: Database,
     conn: Connection,
@@ -193,15 +235,25 @@ def record_step_txn(
     fence: int,
     run_values: dict[str, Any],
     step_row: dict[str, Any],
-) -> bool:
-    """Write a step's outcome and the run's next state, unless the worker was fenced out."""
-    values = {"locked_by": None, "heartbeat_at": None, **run_values}
+    go_on: GoOn | None = None,
+) -> Row[Any] | None:
+    """Write a step's outcome and the run's next state, unless the worker was fenced out
+    (None); with ``go_on``, also claim the next step (the row has the claim's columns)."""
+    values = _record_values(run_values, go_on)
 
-    stmt, params = db.bind("record", runs.c, values, _held_run_update)
-    if conn.execute(stmt, {"p_id": run_id, "p_fence": fence, **params}).rowcount != 1:
-        return False
+    def build(set_values: dict[str, Any]) -> Any:
+        if go_on is None:
+            return _held_run_update(set_values).returning(runs.c.id)
+        return _held_run_update({**set_values, **_go_on_values(db)}).returning(
+            *_CLAIM_COLUMNS, runs.c.locked_by
+        )
+
+    stmt, params = db.bind(("record", go_on is None), runs.c, values, build)
+    row = conn.execute(stmt, {"p_id": run_id, "p_fence": fence, **params, **_go_on_params(db, go_on)}).first()
+    if row is None:
+        return None
     conn.execute(_INSERT_STEP, {"run_id": run_id, **step_row})
-    return True
+    return row
 
 
 def record_step(
@@ -211,25 +263,36 @@ def record_step(
     fence: int,
     run_values: dict[str, Any],
     step_row: dict[str, Any],
-) -> bool:
+    go_on: GoOn | None = None,
+) -> Row[Any] | None:
     """PostgreSQL only: :func:`record_step_txn` as one statement, for an autocommit connection."""
-    values = {"locked_by": None, "heartbeat_at": None, **run_values}
+    values = _record_values(run_values, go_on)
     step_keys = tuple(step_row)
 
     def build() -> Any:
-        recorded = _held_run_update(db.set_values("r_", runs.c, values)).returning(runs.c.id).cte("recorded")
+        set_values = db.set_values("r_", runs.c, values)
+        if go_on is None:
+            returned: tuple[Any, ...] = (runs.c.id,)
+        else:
+            set_values.update(_go_on_values(db))
+            returned = (*_CLAIM_COLUMNS, runs.c.locked_by)
+        recorded = _held_run_update(set_values).returning(*returned).cte("recorded")
         step_values = db.set_values("s_", steps.c, step_row)
         chosen = select(recorded.c.id, *(step_values[k] for k in step_keys)).select_from(recorded)
-        return insert(steps).from_select(["run_id", *step_keys], chosen).returning(steps.c.id)
+        inserted = insert(steps).from_select(["run_id", *step_keys], chosen)
+        if go_on is None:
+            return inserted.returning(steps.c.id)
+        return select(*recorded.c).add_cte(inserted.cte("inserted"))
 
-    stmt = db.statement(("record_step", shape(values), step_keys), build)
+    stmt = db.statement(("record_step", shape(values), step_keys, go_on is None), build)
     params = {
         "p_id": run_id,
         "p_fence": fence,
         **db.values_params("r_", values),
         **db.values_params("s_", step_row),
+        **_go_on_params(db, go_on),
     }
-    return conn.execute(stmt, params).first() is not None
+    return conn.execute(stmt, params).first()
 
 
 def step_recorded(

@@ -70,6 +70,11 @@ APP = textwrap.dedent(
             time.sleep(0.05)
         return current_run().attempt
 
+    # The same, as the second step: it runs inline, in the execution of the first one's message.
+    crash_later = durable.workflow("crash_later")
+    crash_later.step(lambda tag: "warm", name="warm_up")
+    crash_later.step(crash.steps[0].fn, name="die_later", retry=int(os.environ.get("RETRY", "1")))
+
     undo = durable.workflow("undo")
 
     def refund(tag):
@@ -141,6 +146,9 @@ def client(proc_env: dict[str, str]) -> Iterator[Durable]:
     job.step(lambda mode: None, name="work")
     crash = durable.workflow("crash")
     crash.step(lambda tag: None, name="die_here")
+    crash_later = durable.workflow("crash_later")
+    crash_later.step(lambda tag: None, name="warm_up")
+    crash_later.step(lambda tag: None, name="die_later")
     undo = durable.workflow("undo")
     undo.step(lambda tag: None, name="charge")
     undo.step(lambda tag: None, name="explode")
@@ -277,6 +285,28 @@ def test_a_killed_pool_process_uses_an_attempt_and_the_next_one_starts_within_se
     assert [(s.attempt, s.status) for s in steps] == [(1, "failed"), (2, "completed")]
     assert steps[0].error["type"] == "WorkerLost"
     assert "signal 9" in steps[0].error["message"] and str(pid) in steps[0].error["message"]
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_process_killed_in_an_inline_step_uses_that_steps_attempt_within_seconds(
+    client, start_worker, proc_env
+):
+    start_worker("first", "prefork", RETRY="2", STALE="300")
+    marks = Path(proc_env["MARKS"])
+    run_id = client.start("crash_later", {"tag": "oom"})
+    pid = int(_wait_file(marks / "pid-1", 30))  # the second step, run inline by the first's message
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    second = int(_wait_file(marks / "pid-2", 10))
+    assert time.monotonic() - killed_at < 10 and second != pid
+    (marks / "go").touch()
+    run = wait_for(client, run_id, timeout=30)
+    assert run.status == "completed" and run.output == 2
+    steps = [(s.name, s.attempt, s.status) for s in client.list_steps(run_id)]
+    assert steps == [("warm_up", 1, "completed"), ("die_later", 1, "failed"), ("die_later", 2, "completed")]
+    records = client.list_steps(run_id)
+    assert records[1].error["type"] == "WorkerLost"
+    assert records[0].worker == records[1].worker and records[1].worker.endswith(f":{pid}")  # inline
 
 
 @pytest.mark.timeout(120)
