@@ -56,7 +56,7 @@ class Decision:
         """Publish, send signals, cancel replaced runs' children, then raise the refusal if
         there was one."""
         for workflow, run_id, step_index, attempt, key in self.publish:
-            durable.publish_named(workflow, run_id, step_index, attempt, key)
+            durable.publish_named(workflow, run_id, step_index, attempt, key, soon=True)
         for signal, kwargs in self.notices:
             signal.send(sender=durable, **kwargs)
         if self.cancel_children:
