@@ -25,7 +25,7 @@ from bench.common import run_id_sql, say
 from bench.scratch import SERVER, TABLES, Timer, scratch_database
 from durable_celery import Durable
 
-TARGET_SECONDS = 4.0
+TARGET_SECONDS = 2.0  # issue 15 (the seed measured 4 s)
 
 CREATED = "now() - make_interval(days => CAST(:days AS int), secs => 60)"
 
