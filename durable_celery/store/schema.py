@@ -315,7 +315,21 @@ RUNS_DELETED_TRIGGER = """
 CREATE TRIGGER durable_runs_deleted AFTER DELETE ON durable_runs
 REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION durable_runs_deleted()
 """
-for _ddl in (RUNS_DELETED_FUNCTION, RUNS_DELETED_TRIGGER):
+# TRUNCATE fires no DELETE trigger: the rows that go with runs are truncated along.
+RUNS_TRUNCATED_FUNCTION = """
+CREATE OR REPLACE FUNCTION durable_runs_truncated() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    TRUNCATE durable_steps, durable_events, durable_keys;
+    RETURN NULL;
+END
+$$
+"""
+RUNS_TRUNCATED_TRIGGER = """
+CREATE TRIGGER durable_runs_truncated AFTER TRUNCATE ON durable_runs
+FOR EACH STATEMENT EXECUTE FUNCTION durable_runs_truncated()
+"""
+RUNS_TRIGGERS = (RUNS_DELETED_FUNCTION, RUNS_DELETED_TRIGGER, RUNS_TRUNCATED_FUNCTION, RUNS_TRUNCATED_TRIGGER)
+for _ddl in RUNS_TRIGGERS:
     event.listen(metadata, "after_create", DDL(_ddl).execute_if(dialect="postgresql"))
 
 

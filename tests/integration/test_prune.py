@@ -439,3 +439,25 @@ def test_deleting_runs_by_hand_takes_their_steps_events_and_keys_along(make_dura
     with durable.db.engine.connect() as conn:
         for table in (steps, events, keys):
             assert conn.execute(select(func.count()).select_from(table)).scalar() == 0, table.name
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_truncating_runs_truncates_what_goes_with_them_and_an_orphan_key_row_holds_nothing(make_durable):
+    from sqlalchemy import text
+
+    durable = make_durable()
+    wf = define(durable, "truncated", reuse="never")
+    finish(durable, wf, [{"n": 1}], key="k")
+    with durable.db.begin() as conn:
+        conn.execute(text("TRUNCATE durable_runs"))
+    with durable.db.engine.connect() as conn:
+        for table in (steps, events, keys):
+            assert conn.execute(select(func.count()).select_from(table)).scalar() == 0, table.name
+    # A key row whose holder is gone (written with the trigger bypassed): the next start takes it.
+    with durable.db.begin() as conn:
+        conn.execute(text("SET LOCAL session_replication_role = replica"))
+        orphan = {"workflow": "truncated", "key": "k", "holder_id": "gone", "taken_at": func.now()}
+        conn.execute(keys.insert().values(**orphan))
+    run_id = durable.start(wf, {"n": 2}, key="k")
+    with durable.db.engine.connect() as conn:
+        assert conn.execute(select(keys.c.holder_id).where(keys.c.key == "k")).scalar() == run_id

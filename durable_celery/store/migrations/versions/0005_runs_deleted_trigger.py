@@ -3,7 +3,8 @@
 The four foreign keys that pointed at durable_runs (steps, events, a key's holder and its
 waiting run) fired once per deleted run each; pruning spent most of its time in them. One
 statement-level trigger now deletes the steps, events and held keys of the deleted runs and
-clears waiting_id, for any DELETE. SQLite keeps its foreign keys.
+clears waiting_id, for any DELETE; a TRUNCATE of durable_runs truncates them along. SQLite
+keeps its foreign keys.
 
 Revision ID: 0005
 Revises: 0004
@@ -12,7 +13,7 @@ Create Date: 2026-11-30
 
 from alembic import op
 
-from durable_celery.store.schema import RUNS_DELETED_FUNCTION, RUNS_DELETED_TRIGGER
+from durable_celery.store.schema import RUNS_TRIGGERS
 
 revision = "0005"
 down_revision = "0004"
@@ -31,8 +32,8 @@ def upgrade() -> None:
     if op.get_context().dialect.name != "postgresql":
         return
     # Trigger first, foreign keys dropped after, in one transaction: no moment without either.
-    op.execute(RUNS_DELETED_FUNCTION)
-    op.execute(RUNS_DELETED_TRIGGER)
+    for ddl in RUNS_TRIGGERS:
+        op.execute(ddl)
     for name, (table, _column, _ondelete, _deferred) in FOREIGN_KEYS.items():
         op.drop_constraint(name, table, type_="foreignkey")
 
@@ -51,5 +52,6 @@ def downgrade() -> None:
             deferrable=True if deferred else None,
             initially="DEFERRED" if deferred else None,
         )
-    op.execute("DROP TRIGGER IF EXISTS durable_runs_deleted ON durable_runs")
-    op.execute("DROP FUNCTION IF EXISTS durable_runs_deleted()")
+    for name in ("durable_runs_deleted", "durable_runs_truncated"):
+        op.execute(f"DROP TRIGGER IF EXISTS {name} ON durable_runs")
+        op.execute(f"DROP FUNCTION IF EXISTS {name}()")
