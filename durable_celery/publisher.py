@@ -2,22 +2,24 @@
 
 A start commits its run with ``published=true`` and ``due_at`` set, then hands the first step's
 message to this process's ``Publisher``. Its thread sends whatever has queued up since its last
-pass in one kombu publish batch (one producer from Celery's pool, one Redis pipeline), so a
-caller pays for an append to a list instead of building and sending a Celery message.
+pass in one kombu publish batch (one producer it holds, one Redis pipeline; while starts keep
+coming it waits up to ``LINGER`` for more), so a caller pays for an append to a list instead of
+building and sending a Celery message.
 
 Nothing gets weaker, because the run row is the outbox:
 
 - a message that cannot be sent (after ``publish_retries``) flags its run ``published=false``
   and the relay sends it at its next pass, as before;
-- the process flushes what it holds when it exits (``atexit``; a Celery pool process on
-  ``worker_process_shutdown``; after every task on ``task_postrun``), and a forked child starts
-  with an empty queue of its own (the parent sends what it queued);
+- the process flushes what it holds when it exits (``atexit``; a multiprocessing child from its
+  finalizers; a Celery pool process on ``worker_process_shutdown``; a worker after every task on
+  ``task_postrun``), and a forked child starts with an empty queue of its own (the parent sends
+  what it queued);
 - a message lost with a process that died without exiting (``kill -9``) is sent by the relay
   ``relay_after`` after the run became due, exactly like one lost between commit and publish.
 
-Messages still go through ``app.send_task`` (routing, ``before_task_publish`` and
-``after_task_publish`` signals, ``argsrepr``/``kwargsrepr`` for Flower); the batch only changes
-how they reach the broker.
+Messages are Celery's own: built by ``amqp.create_task_message`` and sent by
+``amqp.send_task_message`` (the publish signals, ``argsrepr``/``kwargsrepr`` for Flower), with
+the routing ``app.send_task`` would use worked out once per step task and queue.
 """
 
 from __future__ import annotations
