@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import click
+import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -55,32 +57,52 @@ def prepare_database(url: str, fresh: bool = False) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-@contextmanager
-def private_redis() -> Iterator[str]:
-    """A ``redis-server`` of this process on a spare port (no persistence), stopped on exit;
-    yields its URL. Nothing on a shared Redis is touched."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    folder = tempfile.mkdtemp(prefix="bench-redis-")
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", folder],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while True:
+def _spare_port() -> int:
+    """A port in 20000-29999 that nothing listens on now (below the ephemeral range)."""
+    for port in random.sample(range(20000, 30000), 200):
+        with socket.socket() as sock:
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
+                sock.bind(("127.0.0.1", port))
             except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise click.ClickException("redis-server did not start (is it on the PATH?)") from None
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999 for the bench's redis-server")
+
+
+@contextmanager
+def private_redis(url: str | None = None) -> Iterator[str]:
+    """A broker URL for a bench: ``url`` as given (never flushed: the bench deletes only its own
+    keys), or a ``redis-server`` of its own on a spare port, without persistence, stopped after.
+
+    Benches must not flush a database of the shared server: other people's tests use it.
+    """
+    if url:
+        yield url
+        return
+    port = _spare_port()
+    folder = tempfile.mkdtemp(prefix="durable-bench-redis-")
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", folder]
+    proc = subprocess.Popen(["redis-server", *args], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the bench's redis-server on port {port} did not start") from None
                 time.sleep(0.05)
+            finally:
+                client.close()
+        say(f"started redis-server on 127.0.0.1:{port} (stopped at the end)")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        server.terminate()
-        server.wait(10)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
         shutil.rmtree(folder, ignore_errors=True)

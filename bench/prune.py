@@ -8,7 +8,7 @@ completed a day ago and 1,000 pending ones. ``--keyed N`` also gives N of the ol
 (one ``durable_keys`` row each), as ``reuse="never"`` workflows leave behind; ``--kept-keys N``
 adds N young runs holding keys, which stay. After ``VACUUM
 ANALYZE``, ``durable.prune()`` runs with ``prune={"completed": timedelta(days=7)}`` (batches of
-5,000, ``FOR UPDATE SKIP LOCKED``), printing each batch. Then it checks what is left and prints
+20,000, ``FOR UPDATE SKIP LOCKED``), printing each batch. Then it checks what is left and prints
 table sizes before and after. The database is dropped.
 """
 
@@ -25,7 +25,7 @@ from bench.common import run_id_sql, say
 from bench.scratch import SERVER, TABLES, Timer, scratch_database
 from durable_celery import Durable
 
-TARGET_SECONDS = 4.0
+TARGET_SECONDS = 2.0  # issue 15 (the seed measured 4 s)
 
 CREATED = "now() - make_interval(days => CAST(:days AS int), secs => 60)"
 

@@ -8,7 +8,7 @@ import signal
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -27,6 +27,7 @@ from .errors import (
 from .keys import start_run
 from .models import Run, StepRecord
 from .observe import Activity, KeyEntry, PendingInput, Stats
+from .publisher import Message, Publisher
 from .queues import queue_of
 from .schedules import UNSET, Schedule
 from .settings import Settings
@@ -92,6 +93,7 @@ class Durable:
         self.on_new_task: list[Callable[[], None]] = []
         self.workflows: dict[str, Workflow] = {}
         self.engine = Engine(self)
+        self.publisher = Publisher(app, self._flag_unsent, self.settings.publish_retries)
         self.stats = Stats(self)
         if self.settings.stale_lock_timeout < 3 * self.settings.heartbeat_interval:
             log.warning(
@@ -321,12 +323,16 @@ class Durable:
         return run
 
     def publish_named(
-        self, workflow: str, run_id: str, step_index: int, attempt: int, key: str | None
+        self, workflow: str, run_id: str, step_index: int, attempt: int, key: str | None, soon: bool = False
     ) -> bool:
-        """Send the message for one step of a run of the named workflow, if it is defined here."""
+        """Send the message for one step of a run of the named workflow, if it is defined here;
+        ``soon``: hand it to the background publisher (``publish_in_background``) and return."""
         wf = self.workflows.get(workflow)
         if wf is None or step_index >= len(wf.steps):
             return False  # the relay of a node that knows the workflow sends it
+        if soon and self.settings.publish_in_background and not (self.inline or self.eager):
+            self.publisher.send_soon(self._message(wf, step_index, run_id, attempt, key, soon=True))
+            return True
         return self.publish(wf, step_index, run_id, attempt, key)
 
     def publish(
@@ -338,42 +344,52 @@ class Durable:
         key: str | None,
         compensate: bool = False,
     ) -> bool:
-        """Send the message for one step (or its compensation); on failure flag the run for
+        """Send the message for one step (or its compensation) now; on failure flag the run for
         the relay. Inline (a Fake, eager mode) nothing is sent: the due run is taken from the
         database by whoever runs steps in the calling thread."""
         if self.inline or self.eager:
             return True
-        from .task_states import shown_kwargs
+        return self.publisher.send_now(self._message(workflow, step_index, run_id, attempt, key, compensate))
 
+    def _message(
+        self,
+        workflow: Workflow,
+        step_index: int,
+        run_id: str,
+        attempt: int,
+        key: str | None,
+        compensate: bool = False,
+        soon: bool = False,
+    ) -> Message:
         step = workflow.steps[step_index]
-        kwargs: dict[str, Any] = {"run_id": run_id, "step": step_index, "attempt": attempt}
-        if compensate:
-            kwargs["phase"] = "compensate"
         queue = workflow.queue_for(step, None)
-        options: dict[str, Any] = {"queue": queue} if queue else {}
-        policy = {
-            "max_retries": self.settings.publish_retries,
-            "interval_start": 0.2,
-            "interval_step": 0.5,
-            "interval_max": 1.0,
-        }
-        try:
-            self.app.send_task(
-                step.task_name,
-                kwargs=kwargs,
-                serializer="json",
-                argsrepr="()",
-                kwargsrepr=shown_kwargs(run_id, key, step.name, attempt, compensate),
-                retry=True,
-                retry_policy=policy,
-                **options,
-            )
-            return True
-        except Exception as exc:  # the broker is away: the relay sends it when it is back
-            log.warning("durable: could not publish run %s (%s); the relay will", run_id, exc)
-            with self.db.begin() as conn:
-                queries.mark_unsent(conn, [run_id])
-            return False
+        if not soon:
+            return Message(step.task_name, step.name, step_index, run_id, attempt, key, queue, compensate)
+        # Sent from the publisher's thread: what send_task would read from this one goes along.
+        parent = self.app.current_worker_task
+        request = parent.request if parent is not None else None
+        return Message(
+            step.task_name,
+            step.name,
+            step_index,
+            run_id,
+            attempt,
+            key,
+            queue,
+            compensate,
+            parent_id=request.id if request is not None else None,
+            root_id=(request.root_id or request.id) if request is not None else None,
+            context=tracing.caller_context(),
+        )
+
+    def _flag_unsent(self, run_ids: Sequence[str]) -> None:
+        with self.db.begin() as conn:
+            queries.mark_unsent(conn, run_ids)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every message this process queued to publish is sent (or flagged for the
+        relay); False if ``timeout`` seconds passed first. Exiting the process does it too."""
+        return self.publisher.flush(timeout)
 
     def backoff(self, step: Step, attempt: int) -> float:
         """Seconds to wait before attempt ``attempt + 1`` of ``step``."""

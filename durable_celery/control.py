@@ -79,7 +79,7 @@ def retry(durable: Durable, run_id: str) -> str:
         retaken, previous = (
             _retake_key_txn(durable, conn, workflow, run) if run.key is not None else (False, None)
         )
-        conn.execute(
+        resumed = conn.execute(
             update(runs)
             .where(runs.c.id == run_id, runs.c.status == "failed")
             .values(
@@ -96,6 +96,9 @@ def retry(durable: Durable, run_id: str) -> str:
                 wait_until=None,
             )
         )
+        if resumed.rowcount != 1:  # pruned or retried meanwhile: roll back the key taken above
+            _run(conn, run_id)  # RunNotFound when it was pruned
+            raise NotFinished(f"run {run_id} was retried meanwhile")
     durable.publish(workflow, run.step_index, run_id, run.attempt + 1, run.key)
     if retaken:
         signals.key_handoff.send(

@@ -56,7 +56,7 @@ class Decision:
         """Publish, send signals, cancel replaced runs' children, then raise the refusal if
         there was one."""
         for workflow, run_id, step_index, attempt, key in self.publish:
-            durable.publish_named(workflow, run_id, step_index, attempt, key)
+            durable.publish_named(workflow, run_id, step_index, attempt, key, soon=True)
         for signal, kwargs in self.notices:
             signal.send(sender=durable, **kwargs)
         if self.cancel_children:
@@ -101,6 +101,10 @@ class KeyDecision:
             holder = key_rows.lock_key_txn(self.db, self.conn, self.name, self.key)
             if holder is not None:
                 return self._duplicate(holder)
+            # The key row changed hands, or it names a run that no longer exists (on PostgreSQL
+            # a trigger deletes it with its run; a session with triggers off would not): such a
+            # row holds nothing, so it goes.
+            key_rows.drop_orphan_key_txn(self.conn, self.name, self.key)
         raise KeyContended(f"key {self.key!r} of {self.name!r} changed hands {MAX_HANDS} times")
 
     # -- outcomes ---------------------------------------------------------------------------

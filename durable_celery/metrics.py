@@ -2,6 +2,8 @@
 
 ``durable.metrics`` holds a registry with two kinds of metrics:
 
+* **a histogram of pool waits**, ``durable_db_pool_wait_seconds``: how long each statement of
+  this process waited for a pooled connection (``queue_time``), fed by the pool itself;
 * **counters fed by signals** in the process that runs the steps (``run_finished``,
   ``stale_recovered``, ``worker_fenced``, and Celery's ``task_failure`` of a step task that
   raised out of the engine, which means a step's result could not be recorded: a failed ack;
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("durable_celery")
 
 RECENT = 3600.0  # the window of durable_runs_finished_recent, seconds
+# Pool waits: under a millisecond when the pool is big enough, tens to hundreds when it is not.
+POOL_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # A scrape this soon after the last database read is served from it: 5 queries per read.
 METRICS_CACHE_SECONDS = 5.0
 
@@ -205,6 +209,13 @@ class DurableMetrics:
             ["workflow", "step", "status"],
             registry=self.registry,
         )
+        self.pool_wait = client.Histogram(
+            "durable_db_pool_wait_seconds",
+            "How long a statement waited for a connection from this process's pool (queue_time)",
+            buckets=POOL_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        durable.db.pool_wait_observers.append(self.pool_wait.observe)
         self.collector = DatabaseCollector(durable)
         self.registry.register(self.collector)
         self.server: Any = None  # the HTTP server of start_http_server, once started
@@ -253,6 +264,7 @@ class DurableMetrics:
             self.stale_recovered,
             self.worker_fenced,
             self.ack_failed,
+            self.pool_wait,
             self.collector,
         ):
             registry.register(collector)

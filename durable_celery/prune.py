@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("durable_celery")
 
-BATCH = 5000
+# Runs per batch: each batch is one transaction holding its runs (and their key rows) locked,
+# about 0.4 s at this size on a 2-core VM; bigger batches spend less per run (bench/prune.py).
+BATCH = 20_000
 # A rule name and the statuses it covers: "failed" stands for every unsuccessful ending.
 RULES: dict[str, tuple[str, ...]] = {
     "completed": ("completed",),

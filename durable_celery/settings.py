@@ -33,6 +33,9 @@ class Settings:
     backoff_base: float = 1.0
     backoff_max: float = 300.0
     publish_retries: int = 2
+    # A start hands its message to a background thread instead of sending it before returning
+    # (publisher.py); the run row is the outbox either way.
+    publish_in_background: bool = True
     shutdown_grace_period: float = 15.0
     missing_code_retry: float = 30.0
     upkeep: bool = True

@@ -17,11 +17,13 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 try:
+    from opentelemetry import context as otel_context
     from opentelemetry import trace as otel_trace
     from opentelemetry.trace import SpanKind, Status, StatusCode
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 except ImportError:  # the [otel] extra is not installed: tracing is off, at no cost
     otel_trace = None  # type: ignore[assignment]
+    otel_context = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from .app import Durable
@@ -64,6 +66,27 @@ def current_ids() -> tuple[str | None, str | None]:
     if not ctx.is_valid:
         return None, None
     return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
+
+
+def caller_context() -> Any:
+    """The current OpenTelemetry context when a span is active in it, else None: carried to the
+    background publisher so that a message sent there is sent under the caller's span."""
+    if otel_trace is None or not otel_trace.get_current_span().get_span_context().is_valid:
+        return None
+    return otel_context.get_current()
+
+
+@contextmanager
+def attached(context: Any) -> Iterator[None]:
+    """Make ``context`` (from ``caller_context``) current in this thread while the block runs."""
+    if context is None:
+        yield
+        return
+    token = otel_context.attach(context)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def _attributes(workflow: str | None, run_id: str, key: str | None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import psycopg
 from sqlalchemy import Connection, DateTime, Engine, Interval, bindparam, create_engine, event, func
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import NullPool, QueuePool
 
 from ..errors import DatabaseUnavailable, InvalidDefinition, Unsupported
 
@@ -184,6 +184,34 @@ def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
         raise DisconnectionError() from exc
 
 
+class TimedQueuePool(QueuePool):
+    """A QueuePool that tells its ``observers`` how long each checkout waited for a connection
+    to come back (``queue_time``; opening a new connection is not waiting and is left out). A
+    subclass is made per ``Database`` so that the pool SQLAlchemy recreates keeps them."""
+
+    observers: list[Callable[[float], None]] = []
+    _opening = threading.local()
+
+    def _do_get(self) -> Any:
+        if not self.observers:
+            return super()._do_get()
+        self._opening.seconds = 0.0
+        began = time.perf_counter()
+        try:
+            return super()._do_get()
+        finally:
+            waited = max(0.0, time.perf_counter() - began - self._opening.seconds)
+            for observe in self.observers:
+                observe(waited)
+
+    def _create_connection(self) -> Any:
+        began = time.perf_counter()
+        try:
+            return super()._create_connection()
+        finally:
+            self._opening.seconds = getattr(self._opening, "seconds", 0.0) + time.perf_counter() - began
+
+
 class Database:
     """One engine per process; connections are held per statement, never across a step."""
 
@@ -218,6 +246,8 @@ class Database:
         self._engine: Engine | None = None
         self._pid = os.getpid()
         self._statements: dict[Any, Any] = {}
+        # Called with the seconds each pool checkout waited (metrics.py, bench/pool.py).
+        self.pool_wait_observers: list[Callable[[float], None]] = []
         if self.memory:
             # Made now, with its tables, so it is in WAL mode before anyone else opens the file.
             _ = self.engine
@@ -274,6 +304,7 @@ class Database:
             self.url,
             echo=self._echo,
             hide_parameters=True,  # an error's message never carries a run's input
+            poolclass=type("DurablePool", (TimedQueuePool,), {"observers": self.pool_wait_observers}),
             pool_size=self._pool_size,
             max_overflow=self._pool_size,
             # The key decision is written for READ COMMITTED: a blocked ON CONFLICT or FOR UPDATE

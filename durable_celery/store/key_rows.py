@@ -122,6 +122,17 @@ def lock_key_txn(db: Database, conn: Connection, workflow: str, key: str) -> Any
     return conn.execute(db.statement("lock_key", build), params).first()
 
 
+def drop_orphan_key_txn(conn: Connection, workflow: str, key: str) -> None:
+    """Delete the key's row if its holder's run does not exist (it holds nothing)."""
+    conn.execute(
+        delete(keys).where(
+            keys.c.workflow == workflow,
+            keys.c.key == key,
+            ~select(runs.c.id).where(runs.c.id == keys.c.holder_id).exists(),
+        )
+    )
+
+
 def hand_key_txn(
     db: Database, conn: Connection, workflow: str, key: str, new_holder: str, waiting_id: str | None
 ) -> None:

@@ -315,3 +315,31 @@ def test_an_unreachable_database_reads_as_down_and_is_logged_once_per_outage(cap
             assert "durable_ready_runs" not in exposition
     assert [r.message for r in caplog.records].count("durable metrics: reading the database failed") == 1
     durable.db.dispose()
+
+
+@postgres_only
+def test_pool_waits_are_a_histogram_and_a_starved_pool_shows_in_it(make_durable):
+    durable = make_durable(pool_size=1)  # one connection, plus one overflow
+    metrics = durable.metrics
+    durable.count_runs()
+    assert metrics.value("durable_db_pool_wait_seconds_count") >= 1
+    assert metrics.value("durable_db_pool_wait_seconds_bucket", {"le": "0.25"}) >= 1
+    # Both connections held for 0.3 s: a third statement waits for one to come back.
+    held = threading.Barrier(3)
+
+    def hold() -> None:
+        with durable.db.engine.connect():
+            held.wait()
+            time.sleep(0.3)
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in holders:
+        thread.start()
+    held.wait()
+    before = metrics.value("durable_db_pool_wait_seconds_sum") or 0.0
+    durable.count_runs()
+    waited = (metrics.value("durable_db_pool_wait_seconds_sum") or 0.0) - before
+    for thread in holders:
+        thread.join()
+    assert 0.2 < waited < 5.0
+    assert "durable_db_pool_wait_seconds_bucket" in metrics.exposition().decode()

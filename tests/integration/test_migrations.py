@@ -16,7 +16,7 @@ from celery import Celery
 
 from durable_celery import Durable
 from durable_celery.store.migrate import VERSION_TABLE
-from durable_celery.store.schema import metadata
+from durable_celery.store.schema import compare_filter, metadata
 from tests.conftest import PG_HOST
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,7 +43,8 @@ def test_migrated_schema_equals_create_all_and_second_migrate_is_noop(empty_url)
     assert applied and lines[-1].startswith("applied")
     assert durable.pending_migrations() == []
     with durable.db.engine.connect() as conn:
-        context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        opts = {"version_table": VERSION_TABLE, "include_object": compare_filter(conn.dialect.name)}
+        context = MigrationContext.configure(conn, opts=opts)
         diff = compare_metadata(context, metadata)
     assert diff == []
     assert durable.migrate(progress=lines.append) == []

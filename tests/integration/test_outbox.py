@@ -50,6 +50,7 @@ def test_start_while_broker_is_down_completes_once_it_is_back(pg_url, redis_clie
 def test_committed_start_whose_message_was_lost_is_relayed(pg_url, redis_client):
     producer = make(pg_url, REDIS_URL, "outbox-b")
     run_id = producer.start("ship", {"order": 7})
+    assert producer.flush(timeout=10)  # the message left from the background publisher
     assert redis_client.llen("outbox-b") == 1
     redis_client.delete("outbox-b")  # the broker lost it (a restart without persistence)
     consumer = make(pg_url, REDIS_URL, "outbox-b", relay_after=1.0)

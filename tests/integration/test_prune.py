@@ -415,3 +415,49 @@ def test_upkeep_prunes_a_batch_per_rule_per_pass_until_none_is_left(make_durable
         left.append(len(existing(durable, ids)))
     assert left == [4, 1] and existing(durable, ids) == set()
     assert prune_module.prune_some(durable) is False  # nothing left: back to prune_interval
+
+
+@pytest.mark.parametrize("backend", ["postgres", "sqlite"])
+def test_deleting_runs_by_hand_takes_their_steps_events_and_keys_along(make_durable):
+    # PostgreSQL: one trigger per DELETE statement (no foreign keys to durable_runs);
+    # SQLite: foreign keys. Either way nothing is left pointing at a deleted run.
+    durable = make_durable()
+    wf = define(durable, "by_hand", reuse="never")
+    holder, other = finish(durable, wf, [{"n": 1}], key="k1")[0], finish(durable, wf, [{"n": 2}])[0]
+    with durable.db.begin() as conn:
+        conn.execute(keys.insert().values(workflow="by_hand", key="k2", holder_id=other, taken_at=func.now()))
+        conn.execute(update(keys).where(keys.c.key == "k1").values(waiting_id=other))
+        conn.execute(events.insert().values(run_id=holder, name="e", payload=None, created_at=func.now()))
+    with durable.db.begin() as conn:
+        conn.execute(runs.delete().where(runs.c.id == other))
+    with durable.db.engine.connect() as conn:
+        left = select(func.count()).select_from(steps).where(steps.c.run_id == other)
+        assert conn.execute(left).scalar() == 0
+        assert conn.execute(select(keys.c.key, keys.c.waiting_id)).all() == [("k1", None)]
+    with durable.db.begin() as conn:
+        conn.execute(runs.delete().where(runs.c.id.in_([holder])))
+    with durable.db.engine.connect() as conn:
+        for table in (steps, events, keys):
+            assert conn.execute(select(func.count()).select_from(table)).scalar() == 0, table.name
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_truncating_runs_truncates_what_goes_with_them_and_an_orphan_key_row_holds_nothing(make_durable):
+    from sqlalchemy import text
+
+    durable = make_durable()
+    wf = define(durable, "truncated", reuse="never")
+    finish(durable, wf, [{"n": 1}], key="k")
+    with durable.db.begin() as conn:
+        conn.execute(text("TRUNCATE durable_runs"))
+    with durable.db.engine.connect() as conn:
+        for table in (steps, events, keys):
+            assert conn.execute(select(func.count()).select_from(table)).scalar() == 0, table.name
+    # A key row whose holder is gone (written with the trigger bypassed): the next start takes it.
+    with durable.db.begin() as conn:
+        conn.execute(text("SET LOCAL session_replication_role = replica"))
+        orphan = {"workflow": "truncated", "key": "k", "holder_id": "gone", "taken_at": func.now()}
+        conn.execute(keys.insert().values(**orphan))
+    run_id = durable.start(wf, {"n": 2}, key="k")
+    with durable.db.engine.connect() as conn:
+        assert conn.execute(select(keys.c.holder_id).where(keys.c.key == "k")).scalar() == run_id

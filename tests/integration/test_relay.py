@@ -64,6 +64,7 @@ def test_a_lost_message_is_sent_again_at_doubling_intervals_and_never_beside_its
     durable = make(pg_url, REDIS_URL, queue, relay_after=0.5)
     live_node(durable, [queue])
     run_id = durable.start("ship", {"order": 1})
+    assert durable.flush(timeout=10)  # the message left from the background publisher
     due_at = relay_state(durable, run_id).due_at
     assert redis_client.llen(queue) == 1
     assert relay_once(durable) == 0  # not relay_after old yet
@@ -98,7 +99,8 @@ def test_a_lost_message_is_sent_again_at_doubling_intervals_and_never_beside_its
 
 def test_a_relay_pass_stops_at_the_first_refused_message(pg_url):
     durable = make(pg_url, DEAD_BROKER, "relay-down", publish_retries=0)
-    ids = [durable.start("ship", {"order": n}) for n in range(30)]  # each publish failed
+    ids = [durable.start("ship", {"order": n}) for n in range(30)]
+    assert durable.flush(timeout=10)  # each publish failed: the runs are flagged for the relay
     assert not any(relay_state(durable, i).published for i in ids)
     began = time.monotonic()
     with pytest.raises(BrokerDown):
