@@ -8,7 +8,7 @@ stays in the database, and every message is acked.
 
 from __future__ import annotations
 
-import os
+import logging
 import time
 import traceback
 import uuid
@@ -21,6 +21,8 @@ from celery.exceptions import Ignore, Retry
 from kombu.utils.encoding import safe_repr
 
 from .lost import StepRequest
+
+log = logging.getLogger("durable_celery")
 
 if TYPE_CHECKING:
     from .definition import Step, Workflow
@@ -135,7 +137,8 @@ class InlineEvents:
                     self.app.connection_for_write(), hostname=self.hostname, enabled=True
                 )
             self._dispatcher.send(type_, **fields)
-        except Exception:  # events are for watching: never fail a step over one
+        except Exception as exc:  # events are for watching: never fail a step over one
+            log.warning("durable: could not send the %s event of an inline step: %r", type_, exc)
             self.close()
 
     def started(self, workflow: Workflow, step: Step, row: Any) -> tuple[str, float, str]:
@@ -154,7 +157,7 @@ class InlineEvents:
             eta=None,
             expires=None,
         )
-        self._send("task-started", uuid=task_id, pid=os.getpid())
+        self._send("task-started", uuid=task_id)
         return task_id, time.monotonic(), row.id
 
     def finished(

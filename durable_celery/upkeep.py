@@ -221,6 +221,8 @@ class Upkeep:
         """Tell this worker's processes whether it sends task events (``-E``, or Flower's
         ``enable_events``): inline steps send theirs then (continuation.py)."""
         dispatcher = getattr(getattr(self.worker, "consumer", None), "event_dispatcher", None)
+        if dispatcher is None:  # the consumer has not started yet: keep what the options said
+            return
         groups = getattr(dispatcher, "groups", None)
         on = bool(getattr(dispatcher, "enabled", False)) and (not groups or "task" in groups)
         self.durable.engine.task_events.value = int(on)
@@ -366,6 +368,9 @@ def install(durable: Durable) -> None:
 
         def create(self, worker: Any) -> Upkeep | None:
             durable.engine.worker_pid = os.getpid()  # before the pool forks: drain() from a child
+            # Task events on from the start (-E): inline steps send theirs from the first one.
+            sends = getattr(worker, "task_events", None) or worker.app.conf.worker_send_task_events
+            durable.engine.task_events.value = int(bool(sends))
             return Upkeep(durable, worker) if durable.settings.upkeep else None
 
         def start(self, worker: Any) -> None:
