@@ -1,0 +1,495 @@
+"""Every key decision's records, exactly: the activity entry, the signals, the messages sent and
+the rows written (mutants of durable_celery/keys.py and store/key_rows.py that the behaviour
+tests let through), on both backends.
+
+Holders are put in the status a case needs by writing it directly; the decision reads nothing
+else. Messages are recorded instead of sent, so a wrong step index or attempt in one shows.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+
+from durable_celery import KeyTaken, SendEvent, signals
+from durable_celery.store import key_rows
+from durable_celery.store.child_rows import CHILDREN_WAIT
+from durable_celery.store.schema import events, keys, runs
+from durable_celery.testing import wait_for, worker
+
+pytestmark = pytest.mark.timeout(60)
+
+SIGNALS = ("run_started", "run_finished", "key_duplicate", "key_handoff")
+
+
+class Seen:
+    """The signals and messages one Durable sent, in order."""
+
+    def __init__(self, durable: Any) -> None:
+        self.durable = durable
+        self.signals: list[tuple[str, dict[str, Any]]] = []
+        self.published: list[tuple[Any, ...]] = []
+        self._receivers = {name: self._receiver(name) for name in SIGNALS}
+
+    def _receiver(self, name: str) -> Any:
+        def receive(sender: Any, **kwargs: Any) -> None:
+            if sender is self.durable:
+                kwargs.pop("signal", None)
+                self.signals.append((name, kwargs))
+
+        return receive
+
+    def publish(self, workflow: Any, step_index: int, run_id: str, attempt: int, key: Any, **kw: Any) -> bool:
+        self.published.append((workflow.name, step_index, run_id, attempt, key))
+        return True
+
+    def publish_named(
+        self, workflow: str, run_id: str, step_index: int, attempt: int, key: Any, **kw: Any
+    ) -> bool:
+        self.published.append((workflow, step_index, run_id, attempt, key))
+        return True
+
+    def clear(self) -> None:
+        self.signals.clear()
+        self.published.clear()
+
+
+@pytest.fixture
+def seen(durable, monkeypatch) -> Iterator[Seen]:
+    recorder = Seen(durable)
+    monkeypatch.setattr(durable, "publish", recorder.publish)
+    monkeypatch.setattr(durable, "publish_named", recorder.publish_named)
+    for name, receiver in recorder._receivers.items():
+        getattr(signals, name).connect(receiver, weak=False)
+    try:
+        yield recorder
+    finally:
+        for name, receiver in recorder._receivers.items():
+            getattr(signals, name).disconnect(receiver)
+
+
+def _define(durable: Any, name: str = "decided", **options: Any) -> Any:
+    wf = durable.workflow(name, **options)
+
+    @wf.step
+    def first(n=0):
+        return n
+
+    @wf.step
+    def second(n=0):
+        return n
+
+    return wf
+
+
+def _set(durable: Any, run_id: str, **values: Any) -> None:
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == run_id).values(**values))
+
+
+def _row(durable: Any, run_id: str) -> Any:
+    with durable.db.engine.connect() as conn:
+        return conn.execute(select(runs).where(runs.c.id == run_id)).one()
+
+
+def _key_row(durable: Any, workflow: str, key: str) -> Any:
+    with durable.db.engine.connect() as conn:
+        return conn.execute(select(keys).where(keys.c.workflow == workflow, keys.c.key == key)).one_or_none()
+
+
+def _key_holders(durable: Any, workflow: str, key: str = "k") -> tuple[str, str | None]:
+    row = _key_row(durable, workflow, key)
+    return row.holder_id, row.waiting_id
+
+
+def _only(durable: Any, kind: str) -> Any:
+    entries = durable.activity(kinds=[kind])
+    assert len(entries) == 1, entries
+    return entries[0]
+
+
+def _started(durable: Any, wf: Any, seen: Seen, data: dict[str, Any], key: str = "k") -> str:
+    run_id = durable.start(wf, data, key=key)
+    assert seen.signals == [("run_started", {"run_id": run_id, "workflow": wf.name, "key": key})]
+    assert seen.published == [(wf.name, 0, run_id, 1, key)]
+    seen.clear()
+    return run_id
+
+
+def _duplicate_details(wf: Any, outcome: str, policy: str, status: str, data: Any, **more: Any) -> dict:
+    return {
+        "key": "k",
+        "workflow": wf.name,
+        "outcome": outcome,
+        "policy": policy,
+        "input_changed": True,
+        "input": data,
+        "holder_status": status,
+        **more,
+    }
+
+
+@pytest.mark.parametrize("status", ["pending", "running", "waiting"])
+def test_use_existing_answers_from_an_unfinished_holder(durable, seen, status):
+    wf = _define(durable)
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status=status)
+    assert durable.start(wf, {"n": 2}, key="k") == holder
+    entry = _only(durable, "key_duplicate")
+    assert (entry.run_id, entry.workflow) == (holder, wf.name)
+    assert entry.details == _duplicate_details(wf, "use_existing", "use_existing", status, {"n": 2})
+    assert seen.signals == [
+        ("key_duplicate", {"run_id": holder, "workflow": wf.name, "key": "k", "outcome": "use_existing"})
+    ]
+    assert seen.published == []
+    assert len(durable.list_runs()) == 1
+
+
+def test_the_same_input_again_is_recorded_as_unchanged(durable, seen):
+    wf = _define(durable)
+    holder = _started(durable, wf, seen, {"n": 1})
+    assert durable.start(wf, {"n": 1}, key="k") == holder
+    assert _only(durable, "key_duplicate").details["input_changed"] is False
+
+
+def test_error_refuses_with_the_holder_and_records_it(durable, seen):
+    wf = _define(durable, on_duplicate="error")
+    holder = _started(durable, wf, seen, {"n": 1})
+    with pytest.raises(KeyTaken) as refused:
+        durable.start(wf, {"n": 2}, key="k")
+    assert refused.value.holder_id == holder
+    entry = _only(durable, "key_duplicate")
+    assert entry.run_id == holder
+    assert entry.details == _duplicate_details(wf, "error", "error", "pending", {"n": 2})
+    assert seen.signals == [
+        ("key_duplicate", {"run_id": holder, "workflow": wf.name, "key": "k", "outcome": "error"})
+    ]
+    assert seen.published == []
+
+
+def test_a_finished_holder_that_reuse_frees_hands_the_key_to_a_new_run(durable, seen):
+    wf = _define(durable, on_duplicate="error")  # after_close: a completed holder frees the key
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="completed")
+    new = durable.start(wf, {"n": 2}, key="k")
+    assert new != holder
+    assert _key_holders(durable, wf.name) == (new, None)
+    entry = _only(durable, "key_handed_off")
+    assert (entry.run_id, entry.details) == (
+        new,
+        {"key": "k", "workflow": wf.name, "from": holder, "from_status": "completed"},
+    )
+    assert durable.activity(kinds=["key_duplicate"]) == []
+    assert seen.signals == [
+        ("run_started", {"run_id": new, "workflow": wf.name, "key": "k"}),
+        ("key_handoff", {"run_id": new, "workflow": wf.name, "key": "k", "previous_id": holder}),
+    ]
+    assert seen.published == [(wf.name, 0, new, 1, "k")]
+    assert durable.get_run(holder).status == "completed"
+
+
+@pytest.mark.parametrize("policy", ["use_existing", "error"])
+def test_a_finished_holder_kept_by_reuse_answers_or_refuses(durable, seen, policy):
+    wf = _define(durable, reuse="after_failure")
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="completed")
+    if policy == "use_existing":
+        assert durable.start(wf, {"n": 2}, key="k") == holder
+    else:
+        with pytest.raises(KeyTaken):
+            durable.start(wf, {"n": 2}, key="k", on_duplicate=policy)
+    outcome = "use_existing" if policy == "use_existing" else "error"
+    entry = _only(durable, "key_duplicate")
+    assert entry.details == _duplicate_details(wf, outcome, policy, "completed", {"n": 2})
+    assert seen.signals == [
+        ("key_duplicate", {"run_id": holder, "workflow": wf.name, "key": "k", "outcome": outcome})
+    ]
+    assert seen.published == []
+
+
+def test_cancel_existing_replaces_the_holder_and_its_waiting_run(durable, seen):
+    wf = _define(durable)
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="running", started_at=durable.db.utcnow())  # claimed
+    waiting = durable.start(wf, {"n": 2}, key="k", on_duplicate="run_again")
+    seen.clear()
+    new = durable.start(wf, {"n": 3}, key="k", on_duplicate="cancel_existing")
+    reason = {"type": "Cancelled", "message": f"replaced by run {new}", "replaced_by": new, "traceback": None}
+    for run_id in (holder, waiting):
+        run = durable.get_run(run_id)
+        assert (run.status, run.error) == ("cancelled", reason)
+        assert run.finished_at is not None
+    assert _key_holders(durable, wf.name) == (new, None)
+    entry = [
+        e for e in durable.activity(kinds=["key_duplicate"]) if e.details["outcome"] == "cancel_existing"
+    ]
+    assert len(entry) == 1 and entry[0].run_id == holder
+    assert entry[0].details == _duplicate_details(
+        wf, "cancel_existing", "cancel_existing", "running", {"n": 3}, replaced_by=new
+    )
+    handed = _only(durable, "key_handed_off")
+    assert (handed.run_id, handed.details["from"], handed.details["from_status"]) == (new, holder, "running")
+    assert seen.signals == [
+        ("run_started", {"run_id": new, "workflow": wf.name, "key": "k"}),
+        ("run_finished", {"run_id": waiting, "workflow": wf.name, "status": "cancelled"}),
+        ("key_duplicate", {"run_id": holder, "workflow": wf.name, "key": "k", "outcome": "cancel_existing"}),
+        ("run_finished", {"run_id": holder, "workflow": wf.name, "status": "cancelled"}),
+        ("key_handoff", {"run_id": new, "workflow": wf.name, "key": "k", "previous_id": holder}),
+    ]
+    assert seen.published == [(wf.name, 0, new, 1, "k")]
+
+
+def test_run_again_behind_a_claimed_holder_waits_without_the_key(durable, seen):
+    wf = _define(durable, on_duplicate="run_again", timeout=600)
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="running", started_at=durable.db.utcnow())
+    waiting = durable.start(wf, {"n": 2}, key="k")
+    row = _row(durable, waiting)
+    assert (row.status, row.due_at, row.published, row.runs_after_id) == ("waiting", None, False, holder)
+    assert (row.deadline_at, row.input, row.key) == (None, {"n": 2}, "k")
+    assert _key_holders(durable, wf.name) == (holder, waiting)
+    entry = _only(durable, "key_duplicate")
+    assert entry.run_id == holder
+    assert entry.details == _duplicate_details(
+        wf, "run_again", "run_again", "running", {"n": 2}, runs_after=waiting
+    )
+    dup = ("key_duplicate", {"run_id": holder, "workflow": wf.name, "key": "k", "outcome": "run_again"})
+    assert seen.signals == [("run_started", {"run_id": waiting, "workflow": wf.name, "key": "k"}), dup]
+    assert seen.published == []
+    seen.clear()
+
+    assert durable.start(wf, {"n": 3}, key="k") == waiting  # the newest input replaces it
+    assert _row(durable, waiting).input == {"n": 3}
+    assert _row(durable, holder).input == {"n": 1}
+    latest = durable.activity(kinds=["key_duplicate"])[0]
+    assert latest.details["runs_after"] == waiting and latest.details["outcome"] == "run_again"
+    assert seen.signals == [dup] and seen.published == []
+    assert len(durable.list_runs()) == 2
+
+
+def test_run_again_gives_an_unclaimed_holder_the_newer_input(durable, seen):
+    wf = _define(durable, on_duplicate="run_again")
+    bystander = durable.start(wf, {"n": 0}, key="other")  # unclaimed too: left alone
+    holder = durable.start(wf, {"n": 1}, key="k")
+    seen.clear()
+    due = _row(durable, holder).due_at
+    assert durable.start(wf, {"n": 2}, key="k") == holder
+    row = _row(durable, holder)
+    assert (row.input, row.due_at, row.status) == ({"n": 2}, due, "pending")
+    assert _key_row(durable, wf.name, "k").waiting_id is None
+    assert _row(durable, bystander).input == {"n": 0}
+    entry = _only(durable, "key_duplicate")
+    assert entry.details == _duplicate_details(wf, "run_again", "run_again", "pending", {"n": 2})
+    assert seen.signals == [
+        ("key_duplicate", {"run_id": holder, "workflow": wf.name, "key": "k", "outcome": "run_again"})
+    ]
+    assert len(durable.list_runs()) == 2
+
+
+def _events(durable: Any, run_id: str) -> list[tuple[str, Any]]:
+    with durable.db.engine.connect() as conn:
+        rows = conn.execute(select(events.c.name, events.c.payload).where(events.c.run_id == run_id)).all()
+    return [(r.name, r.payload) for r in rows]
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_send_event_delivers_the_input_to_the_holder(durable, seen, waits):
+    wf = _define(durable, on_duplicate=SendEvent("update"))
+    holder = _started(durable, wf, seen, {"n": 1})
+    if waits:
+        _set(durable, holder, status="waiting", wait_name="update", due_at=None, published=False)
+    assert durable.start(wf, {"n": 2}, key="k") == holder
+    assert _events(durable, holder) == [("update", {"n": 2})]
+    entry = _only(durable, "key_duplicate")
+    status = "waiting" if waits else "pending"
+    assert entry.details == _duplicate_details(
+        wf, "send_event", "send_event:update", status, {"n": 2}, event="update"
+    )
+    assert seen.signals == [
+        ("key_duplicate", {"run_id": holder, "workflow": wf.name, "key": "k", "outcome": "send_event"})
+    ]
+    if waits:  # woken: due now and sent
+        row = _row(durable, holder)
+        assert row.due_at is not None and row.published is True
+        assert seen.published == [(wf.name, 0, holder, 1, "k")]
+    else:
+        assert seen.published == []
+
+
+def test_debounce_folds_a_start_into_the_unclaimed_holder_capped_by_its_timeout(durable, seen):
+    wf = _define(durable, debounce={"period": 30, "timeout": 45})
+    bystander = durable.start(wf, {"n": 0}, key="other")  # debounced and unclaimed too: left alone
+    holder = durable.start(wf, {"n": 1}, key="k")
+    other = _row(durable, bystander)
+    first = _row(durable, holder)
+    assert first.published is False and first.not_after is not None
+    assert seen.published == []
+    seen.clear()
+    _set(durable, holder, published=True)  # as if the relay looked at it: a fold sets it back
+    assert durable.start(wf, {"n": 2}, key="k") == holder
+    row = _row(durable, holder)
+    assert row.input == {"n": 2} and row.published is False
+    assert row.due_at > first.due_at  # the wait restarts ...
+    assert row.due_at <= first.not_after  # ... capped by the timeout from the first start
+    entry = _only(durable, "key_duplicate")
+    assert entry.details == _duplicate_details(wf, "debounced", "use_existing", "pending", {"n": 2})
+    assert seen.signals == [
+        ("key_duplicate", {"run_id": holder, "workflow": wf.name, "key": "k", "outcome": "debounced"})
+    ]
+    after = _row(durable, bystander)
+    assert (after.input, after.due_at, after.published) == (other.input, other.due_at, other.published)
+    # Past the cap the due time is the cap itself.
+    _set(durable, holder, not_after=first.due_at)
+    durable.start(wf, {"n": 3}, key="k")
+    assert _row(durable, holder).due_at == _row(durable, holder).not_after
+
+
+def test_a_waiting_run_takes_the_key_when_its_holder_is_cancelled(durable, seen):
+    wf = _define(durable, on_duplicate="run_again")
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="running", started_at=durable.db.utcnow())
+    waiting = durable.start(wf, {"n": 2}, key="k")
+    seen.clear()
+    assert durable.cancel(holder) is True
+    row = _row(durable, waiting)
+    assert (row.status, row.published) == ("pending", True) and row.due_at is not None
+    assert _key_holders(durable, wf.name) == (waiting, None)
+    entry = _only(durable, "key_handed_off")
+    assert (entry.run_id, entry.details) == (
+        waiting,
+        {"key": "k", "workflow": wf.name, "from": holder, "from_status": "cancelled"},
+    )
+    assert seen.signals == [
+        ("run_finished", {"run_id": holder, "workflow": wf.name, "status": "cancelled"}),
+        ("key_handoff", {"run_id": waiting, "workflow": wf.name, "key": "k", "previous_id": holder}),
+    ]
+    assert seen.published == [(wf.name, 0, waiting, 1, "k")]
+
+
+def test_a_waiting_run_is_cancelled_when_reuse_keeps_the_key(durable):
+    wf = durable.workflow("kept", reuse="after_failure", on_duplicate="run_again")
+    entered, release = threading.Event(), threading.Event()
+
+    @wf.step
+    def only(n=0):
+        entered.set()
+        assert release.wait(15)
+        return n
+
+    finished: list[dict[str, Any]] = []
+
+    def on_finished(sender: Any, **kw: Any) -> None:
+        if sender is durable:
+            finished.append({k: v for k, v in kw.items() if k != "signal"})
+
+    signals.run_finished.connect(on_finished, weak=False)
+    try:
+        with worker(durable):
+            holder = durable.start(wf, {"n": 1}, key="k")
+            assert entered.wait(15)
+            waiting = durable.start(wf, {"n": 2}, key="k")
+            release.set()
+            assert wait_for(durable, holder).status == "completed"
+            run = wait_for(durable, waiting)
+    finally:
+        signals.run_finished.disconnect(on_finished)
+    message = f"run {holder} completed and reuse='after_failure' keeps the key"
+    assert (run.status, run.error) == (
+        "cancelled",
+        {"type": "Cancelled", "traceback": None, "message": message},
+    )
+    assert (_key_row(durable, "kept", "k").holder_id, _key_row(durable, "kept", "k").waiting_id) == (
+        holder,
+        None,
+    )
+    assert {"run_id": waiting, "workflow": "kept", "status": "cancelled"} in finished
+    assert durable.list_steps(waiting) == []
+
+
+def test_cancel_existing_on_a_child_wakes_its_waiting_parent(durable, seen):
+    wf = _define(durable)
+    parent_wf = _define(durable, "parent")
+    parent = durable.start(parent_wf)
+    _set(
+        durable, parent, status="waiting", wait_name=CHILDREN_WAIT, due_at=None, published=False, step_index=1
+    )
+    child = durable.start(wf, {"n": 1}, key="k")
+    _set(durable, child, parent_id=parent)
+    seen.clear()
+    new = durable.start(wf, {"n": 2}, key="k", on_duplicate="cancel_existing")
+    assert durable.get_run(child).status == "cancelled"
+    row = _row(durable, parent)
+    assert row.due_at is not None and row.published is True
+    assert seen.published == [(wf.name, 0, new, 1, "k"), ("parent", 1, parent, 1, None)]
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_cancelled_child_wakes_its_waiting_parent(durable, seen, keyed):
+    wf = _define(durable)
+    parent_wf = _define(durable, "parent")
+    parent = durable.start(parent_wf)
+    waits = {"status": "waiting", "wait_name": CHILDREN_WAIT, "due_at": None, "published": False}
+    _set(durable, parent, step_index=1, **waits)
+    child = durable.start(wf, {"n": 1}, key="k" if keyed else None)
+    _set(durable, child, parent_id=parent)
+    seen.clear()
+    assert durable.cancel(child) is True
+    row = _row(durable, parent)
+    assert row.due_at is not None and row.published is True
+    assert seen.published == [("parent", 1, parent, 1, None)]
+    assert ("run_finished", {"run_id": child, "workflow": wf.name, "status": "cancelled"}) in seen.signals
+
+
+def test_a_cancelled_waiting_run_no_longer_waits_behind_the_holder(durable, seen):
+    wf = _define(durable, on_duplicate="run_again")
+    other = _define(durable, "other_wf", on_duplicate="run_again")
+    holder = _started(durable, wf, seen, {"n": 1})
+    other_holder = durable.start(other, {"n": 1}, key="k")
+    for run_id in (holder, other_holder):
+        _set(durable, run_id, status="running", started_at=durable.db.utcnow())
+    waiting = durable.start(wf, {"n": 2}, key="k")
+    other_waiting = durable.start(other, {"n": 2}, key="k")
+    assert durable.cancel(waiting) is True
+    assert _key_holders(durable, wf.name) == (holder, None)
+    assert _key_holders(durable, "other_wf") == (other_holder, other_waiting)  # untouched
+    assert durable.get_run(waiting).status == "cancelled"
+    assert durable.start(wf, {"n": 3}, key="k") not in (holder, waiting)  # a new one waits
+
+
+def test_use_existing_on_postgresql_answers_an_unfinished_holder_without_a_lock(durable, seen, monkeypatch):
+    # architecture.md: one statement finds the unfinished holder and records the duplicate;
+    # only SQLite (and a finished holder) takes the key row's lock.
+    wf = _define(durable)
+    holder = _started(durable, wf, seen, {"n": 1})
+    locks = []
+    real = key_rows.lock_key_txn
+    monkeypatch.setattr(key_rows, "lock_key_txn", lambda *a: locks.append(a) or real(*a))
+    assert durable.start(wf, {"n": 2}, key="k") == holder
+    assert len(locks) == (0 if durable.db.is_postgres else 1)
+    entry = _only(durable, "key_duplicate")
+    assert entry.details == _duplicate_details(wf, "use_existing", "use_existing", "pending", {"n": 2})
+
+
+def test_use_existing_on_a_freed_key_takes_it_instead_of_answering(durable, seen):
+    wf = _define(durable)  # after_close
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="completed")
+    new = durable.start(wf, {"n": 2}, key="k")  # use_existing
+    assert new != holder
+    assert _key_holders(durable, wf.name) == (new, None)
+    assert durable.activity(kinds=["key_duplicate"]) == []
+
+
+def test_use_existing_answers_from_the_holder_of_its_own_workflow(durable, seen):
+    a, b = _define(durable, "wf_a"), _define(durable, "wf_b")
+    holder_a, holder_b = durable.start(a, {"n": 1}, key="k"), durable.start(b, {"n": 1}, key="k")
+    assert durable.start(b, {"n": 2}, key="k") == holder_b
+    assert durable.start(a, {"n": 2}, key="k") == holder_a
+    assert [(e.run_id, e.workflow) for e in durable.activity(kinds=["key_duplicate"])] == [
+        (holder_a, "wf_a"),
+        (holder_b, "wf_b"),
+    ]

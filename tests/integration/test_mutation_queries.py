@@ -1,0 +1,211 @@
+"""The conditions and values of the claim, the stale sweep and the timeout sweep, exactly
+(mutants of durable_celery/store/queries.py and upkeep.py that the behaviour tests let through),
+on both backends. Steps run through ``run_message``, as a worker runs a message, in this thread;
+rows are put in the state a case needs by writing them directly."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+
+from durable_celery import current_run, upkeep
+from durable_celery.store.schema import runs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _row(durable: Any, run_id: str) -> Any:
+    with durable.db.engine.connect() as conn:
+        return conn.execute(select(runs).where(runs.c.id == run_id)).one()
+
+
+def _set(durable: Any, run_id: str, **values: Any) -> None:
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == run_id).values(**values))
+
+
+def _ago(durable: Any, seconds: float) -> Any:
+    return durable.db.utcnow() - timedelta(seconds=seconds)
+
+
+class Steps:
+    """A two-step workflow whose steps note the run's row as they see it while they run."""
+
+    def __init__(self, durable: Any, **options: Any) -> None:
+        self.durable = durable
+        self.rows: list[Any] = []
+        self.fail_first = options.pop("fail_first", False)
+        self.wf = durable.workflow("claimed", **options)
+
+        @self.wf.step(retry=2)
+        def first():
+            self.rows.append(_row(durable, current_run().id))
+            if self.fail_first and len(self.rows) == 1:
+                raise ValueError("first attempt fails")
+            return "one"
+
+        @self.wf.step
+        def second():
+            self.rows.append(_row(durable, current_run().id))
+            return "two"
+
+    def run(self, run_id: str, step: int) -> str:
+        return self.durable.run_message("claimed", step, run_id)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"status": "completed"},
+        {"status": "failed"},
+        {"status": "cancelled"},
+        {"status": "compensating"},
+        {"status": "running", "locked_by": "elsewhere:1:1"},
+        {"due_at": None},
+        {"due_at": "later"},
+    ],
+    ids=["completed", "failed", "cancelled", "compensating", "locked", "not-due", "due-later"],
+)
+def test_a_run_that_is_not_claimable_is_dropped_untouched(durable, state):
+    steps = Steps(durable)
+    run_id = durable.start(steps.wf)
+    if state.get("due_at") == "later":
+        state = {"due_at": durable.db.utcnow() + timedelta(seconds=60)}
+    _set(durable, run_id, **state)
+    before = _row(durable, run_id)
+    assert steps.run(run_id, 0) == "dropped"
+    assert steps.rows == []
+    assert _row(durable, run_id) == before
+
+
+def test_a_message_for_another_step_is_dropped(durable):
+    steps = Steps(durable)
+    run_id = durable.start(steps.wf)
+    before = _row(durable, run_id)
+    assert steps.run(run_id, 1) == "dropped"
+    assert _row(durable, run_id) == before
+
+
+def test_a_claim_takes_the_lock_and_resets_the_relay_marks(durable):
+    steps = Steps(durable, fail_first=True)
+    run_id = durable.start(steps.wf)
+    _set(durable, run_id, resends=3, resend_at=durable.db.utcnow(), published=True, due_at=_ago(durable, 1))
+    assert steps.run(run_id, 0) == "retrying"
+    claimed = steps.rows[0]
+    assert (claimed.status, claimed.fence, claimed.resends, claimed.resend_at) == ("running", 1, 0, None)
+    assert (claimed.published, claimed.due_at) == (False, None)
+    assert claimed.locked_by is not None and claimed.heartbeat_at is not None
+    assert claimed.started_at is not None and claimed.deadline_at is None
+    after = _row(durable, run_id)  # the failed attempt's record: unlocked, attempt 2 due later
+    assert (after.locked_by, after.heartbeat_at, after.attempt, after.published) == (None, None, 2, False)
+
+    _set(durable, run_id, due_at=_ago(durable, 1))
+    assert steps.run(run_id, 0) == "running"
+    again = steps.rows[1]
+    assert (again.fence, again.attempt) == (2, 2)
+    assert again.started_at == claimed.started_at  # the first claim's, kept
+    moved_on = _row(durable, run_id)
+    assert (moved_on.step_index, moved_on.attempt, moved_on.published) == (1, 1, True)
+    assert (moved_on.locked_by, moved_on.heartbeat_at) == (None, None)
+
+
+def test_a_workflow_timeout_counts_from_the_first_claim_when_not_set_at_start(durable):
+    steps = Steps(durable, timeout=600, fail_first=True)
+    run_id = durable.start(steps.wf)
+    _set(durable, run_id, deadline_at=None)  # as for a debounced or run_again run
+    steps.run(run_id, 0)
+    deadline = steps.rows[0].deadline_at
+    expected = steps.rows[0].heartbeat_at + timedelta(seconds=600)
+    assert abs((deadline - expected).total_seconds()) < 5
+    _set(durable, run_id, due_at=_ago(durable, 1))
+    steps.run(run_id, 0)
+    assert steps.rows[1].deadline_at == deadline  # kept, not moved by the next claim
+
+
+def _locked(durable: Any, run_id: str, beat_ago: float, **values: Any) -> None:
+    _set(
+        durable,
+        run_id,
+        status=values.pop("status", "running"),
+        locked_by="gone:1:1",
+        heartbeat_at=_ago(durable, beat_ago),
+        fence=4,
+        due_at=None,
+        **values,
+    )
+
+
+def test_the_stale_sweep_hands_back_only_locks_older_than_the_timeout(make_durable):
+    durable = make_durable(stale_lock_timeout=30, max_losses=3)
+    steps = Steps(durable)
+    stale, fresh, pending = (durable.start(steps.wf) for _ in range(3))
+    _locked(durable, stale, 60, losses=1)
+    _locked(durable, fresh, 10)
+    assert upkeep.sweep_stale_once(durable) == ([stale], [])
+    row = _row(durable, stale)
+    assert (row.status, row.locked_by, row.heartbeat_at, row.fence, row.losses) == (
+        "running",
+        None,
+        None,
+        5,
+        2,
+    )
+    assert (row.published, row.finished_at) == (False, None) and row.due_at is not None
+    assert _row(durable, fresh).locked_by == "gone:1:1" and _row(durable, fresh).fence == 4
+    assert _row(durable, pending).status == "pending"
+    entry = durable.activity(kinds=["stale_recovered"], run_id=stale)[0]
+    assert (entry.details["locked_by"], entry.details["losses"], entry.details["failed"]) == (
+        "gone:1:1",
+        2,
+        False,
+    )
+    assert upkeep.sweep_stale_once(durable) == ([], [])  # handed back once
+
+
+@pytest.mark.parametrize("status", ["running", "compensating"])
+def test_the_stale_sweep_fails_a_run_lost_max_losses_times(make_durable, status):
+    durable = make_durable(stale_lock_timeout=30, max_losses=3)
+    steps = Steps(durable)
+    run_id = durable.start(steps.wf)
+    _locked(durable, run_id, 60, losses=2, status=status)
+    assert upkeep.sweep_stale_once(durable) == ([], [run_id])
+    row = _row(durable, run_id)
+    ended = "compensation_failed" if status == "compensating" else "failed"
+    assert (row.status, row.locked_by, row.fence, row.losses, row.due_at) == (ended, None, 5, 3, None)
+    assert row.finished_at is not None
+    assert row.error == {
+        "type": "WorkerLost",
+        "message": "the run's worker was lost 3 times during one step",
+        "traceback": None,
+    }
+    assert durable.activity(kinds=["stale_recovered"])[0].details["failed"] is True
+
+
+def test_the_timeout_sweep_fails_only_unfinished_runs_past_their_deadline(durable):
+    steps = Steps(durable, timeout=600)
+    over, early, done, none = (durable.start(steps.wf) for _ in range(4))
+    _set(
+        durable,
+        over,
+        status="running",
+        locked_by="w:1:1",
+        heartbeat_at=_ago(durable, 1),
+        deadline_at=_ago(durable, 5),
+    )
+    _set(durable, early, deadline_at=durable.db.utcnow() + timedelta(seconds=60))
+    _set(durable, done, status="completed", finished_at=_ago(durable, 9), deadline_at=_ago(durable, 5))
+    _set(durable, none, deadline_at=None)
+    assert upkeep.fail_overdue_once(durable) == [over]
+    row = _row(durable, over)
+    assert (row.status, row.locked_by, row.heartbeat_at, row.due_at) == ("failed", None, None, None)
+    assert row.finished_at is not None
+    assert row.error == {
+        "type": "WorkflowTimeout",
+        "traceback": None,
+        "message": "the run did not finish within its timeout of 600s",
+    }
+    assert [_row(durable, r).status for r in (early, done, none)] == ["pending", "completed", "pending"]
+    assert upkeep.fail_overdue_once(durable) == []
