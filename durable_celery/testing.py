@@ -45,7 +45,10 @@ def worker(
     **options: Any,
 ) -> Iterator[Any]:
     """Run a real Celery worker (thread pool) for ``durable.app`` inside this process; for a
-    ``Fake``, run its due steps in a background thread with its clock following real time."""
+    ``Fake``, run its due steps in a background thread with its clock following real time.
+
+    Leaving the block stops every in-process worker (Celery's stop flag is process-wide):
+    start several at once in one ``with`` rather than nesting them."""
     if isinstance(durable, Fake):
         with durable.running():
             yield None

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from durable_celery.nodes import Node
 from durable_celery.testing import wait_for, worker
 
 pytestmark = pytest.mark.timeout(90)
@@ -79,13 +80,18 @@ def test_an_older_worker_hands_back_a_step_only_newer_workers_have(make_durable)
     run_id = new.start(deploy)
     assert new.run_message("deploy", 0, run_id) == "running"  # step "first", on a new worker
     tag = uuid.uuid4().hex[:6]
-    # A live new node (on a queue of its own here, so only the old worker gets the run).
-    with worker(new, queues=[f"elsewhere-{tag}"], hostname=f"new-{tag}@test"):
-        _until(lambda: any(n["name"] == f"new-{tag}@test" for n in new.list_nodes()))
-        with worker(old, hostname=f"old-{tag}@test"):
-            _until(lambda: len(old.activity(kinds=["code_missing"], run_id=run_id)) >= 2)
-            run = old.get_run(run_id)
-            assert run.status == "running" and run.error is None  # handed back, not failed
+    # A live new node, as the database sees one: its row with its steps, just seen. (Not an
+    # in-process worker: leaving the old worker's block ends every in-process worker at once,
+    # since Celery's stop flag is process-wide, and the old worker would then rightly find no
+    # live node with the step.)
+    elsewhere = Node(new)
+    elsewhere.name = f"new-{tag}@test"
+    elsewhere.register()
+    assert any(n["name"] == elsewhere.name for n in new.list_nodes())
+    with worker(old, hostname=f"old-{tag}@test"):
+        _until(lambda: len(old.activity(kinds=["code_missing"], run_id=run_id)) >= 2)
+        run = old.get_run(run_id)
+        assert run.status == "running" and run.error is None  # handed back, not failed
     missing = old.activity(kinds=["code_missing"], run_id=run_id)
     assert {m.details["step"] for m in missing} == {"second"}
     with worker(new, queues=[new.app.conf.task_default_queue]):
