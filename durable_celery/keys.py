@@ -362,12 +362,10 @@ def start_run(
         if run["key"] is None:
             queries.insert_run_txn(db, conn, run)
             return _created(workflow, run)
-        if key_rows.insert_run_with_key(db, conn, run):
-            return _created(workflow, run)
         if policy == "use_existing" and not workflow.debounce:
-            holder_id = key_rows.answer_from_unfinished_holder(
-                db, conn, workflow.name or "", run["key"], run["input"], dropped_input(run["input"])
-            )
+            created, holder_id = key_rows.start_or_answer(db, conn, run, dropped_input(run["input"]))
+            if created:
+                return _created(workflow, run)
             if holder_id is not None:
                 notice = {
                     "run_id": holder_id,
@@ -376,6 +374,8 @@ def start_run(
                     "outcome": "use_existing",
                 }
                 return Decision(holder_id, notices=[(signals.key_duplicate, notice)])
+        elif key_rows.insert_run_with_key(db, conn, run):
+            return _created(workflow, run)
         with db.then_transaction(conn):  # the key is held: decide on the same connection
             return decide_start_txn(durable, conn, workflow, run, policy, key_seen_held=True, fold=fold)
 

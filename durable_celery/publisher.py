@@ -282,6 +282,8 @@ class Publisher:
             connection = self.app.connection_for_write()
             self._producer = self.app.amqp.Producer(connection, auto_declare=False)
             self._redis = connection.transport.driver_type == "redis"
+            if self._redis:
+                _hold_redis_client(self._producer.channel)
             self._routes = {}
         return self._producer
 
@@ -408,3 +410,23 @@ atexit.register(flush_all)
 # every task, so that what a step started is sent before its task is acknowledged.
 signals.worker_process_shutdown.connect(lambda **_: flush_all(), weak=False)
 signals.task_postrun.connect(_flush_after_task, weak=False)
+
+
+def _hold_redis_client(channel: Any) -> None:
+    """Make kombu's Redis channel reuse one client for its publishes. It builds a new
+    ``redis.Redis`` (and its table of response callbacks) for every publish and every batch,
+    which cost more CPU than the rest of the send; this channel is the publisher's alone, and
+    its connections still come from the channel's pool, so a broken one is replaced there."""
+    create = getattr(channel, "_create_client", None)
+    if create is None:
+        return
+    held: list[Any] = []
+
+    def reuse(asynchronous: bool = False) -> Any:
+        if asynchronous:
+            return create(asynchronous=True)
+        if not held:
+            held.append(create())
+        return held[0]
+
+    channel._create_client = reuse

@@ -5,11 +5,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, func, insert, literal, select, update
+from sqlalchemy import (
+    Connection,
+    String,
+    bindparam,
+    delete,
+    func,
+    insert,
+    literal_column,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .db import Clock, Database
 from .schema import UNFINISHED, activity, keys, runs
+
+
+def constant(text: str) -> Any:
+    """A string constant written into the SQL itself (not a bind parameter): a statement
+    used on every start stays one fixed text, with nothing to expand per execution."""
+    return literal_column("'" + text.replace("'", "''") + "'", String())
 
 
 def claim_key_txn(db: Database, conn: Connection, workflow: str, key: str, run_id: str) -> bool:
@@ -54,46 +70,72 @@ def insert_run_with_key(db: Database, conn: Connection, run: dict[str, Any]) -> 
     return conn.execute(stmt, params).first() is not None
 
 
-def answer_from_unfinished_holder(
-    db: Database, conn: Connection, workflow: str, key: str, new_input: dict[str, Any], kept: dict[str, Any]
-) -> str | None:
-    """PostgreSQL only, for ``use_existing``: if the key's holder is unfinished, record the
-    duplicate on it and return its id, in one statement and without locks (the answer holds at
-    the moment of the read). None when there is no such holder: decide under locks instead.
-    ``kept`` is what the entry keeps of ``new_input`` (keys.dropped_input)."""
+def start_or_answer(
+    db: Database, conn: Connection, run: dict[str, Any], kept: dict[str, Any]
+) -> tuple[bool, str | None]:
+    """PostgreSQL only, for ``use_existing`` without debounce: take a free key and insert its
+    run, or record the duplicate on the key's unfinished holder, in one statement and without
+    locks. Returns (created, holder id); (False, None) when neither held: decide under locks.
+    ``kept`` is what the duplicate's entry keeps of the run's input (keys.dropped_input)."""
 
-    def build() -> Any:
-        wf: Any = bindparam("p_workflow")
-        k: Any = bindparam("p_key")
-        new = bindparam("p_input", type_=postgresql.JSONB())
+    def build(set_values: dict[str, Any]) -> Any:
+        wf, k = set_values["workflow"], set_values["key"]
+        taken = (
+            postgresql.insert(keys)
+            .values(workflow=wf, key=k, holder_id=set_values["id"], taken_at=func.now())
+            .on_conflict_do_nothing(index_elements=["workflow", "key"])
+            .returning(keys.c.holder_id)
+            .cte("taken")
+        )
+        columns = list(set_values)
+        created = (
+            insert(runs)
+            .from_select(columns, select(*(set_values[c] for c in columns)).select_from(taken))
+            .returning(runs.c.id)
+            .cte("created")
+        )
+        # Read in the statement's snapshot: a key taken by a start that committed after it
+        # began is not seen here, and the caller decides under locks.
         holder = (
-            select(keys.c.holder_id, runs.c.status, (runs.c.input == new).label("same"))
+            select(keys.c.holder_id, runs.c.status, (runs.c.input == set_values["input"]).label("same"))
             .join(runs, runs.c.id == keys.c.holder_id)
-            .where(keys.c.workflow == wf, keys.c.key == k, runs.c.status.in_(UNFINISHED))
+            .where(
+                keys.c.workflow == wf,
+                keys.c.key == k,
+                runs.c.status.in_([constant(status) for status in UNFINISHED]),
+                ~select(taken.c.holder_id).exists(),
+            )
             .cte("holder")
         )
         details = func.jsonb_build_object(
-            "key",
+            constant("key"),
             k,
-            "workflow",
+            constant("workflow"),
             wf,
-            "outcome",
-            "use_existing",
-            "policy",
-            "use_existing",
-            "input_changed",
+            constant("outcome"),
+            constant("use_existing"),
+            constant("policy"),
+            constant("use_existing"),
+            constant("input_changed"),
             ~holder.c.same,
-            "holder_status",
+            constant("holder_status"),
             holder.c.status,
         ).op("||")(bindparam("p_kept", type_=postgresql.JSONB()))
-        chosen = select(literal("key_duplicate"), holder.c.holder_id, wf, k, details, func.now()).select_from(
-            holder
+        chosen = select(constant("key_duplicate"), holder.c.holder_id, wf, k, details, func.now())
+        answered = (
+            insert(activity)
+            .from_select(["kind", "run_id", "workflow", "key", "details", "at"], chosen.select_from(holder))
+            .returning(activity.c.run_id)
+            .cte("answered")
         )
-        columns = ["kind", "run_id", "workflow", "key", "details", "at"]
-        return insert(activity).from_select(columns, chosen).returning(activity.c.run_id)
+        return select(
+            select(created.c.id).scalar_subquery().label("created"),
+            select(answered.c.run_id).scalar_subquery().label("holder"),
+        )
 
-    params = {"p_workflow": workflow, "p_key": key, "p_input": new_input, "p_kept": kept}
-    return conn.execute(db.statement("answer_use_existing", build), params).scalar()
+    stmt, params = db.bind("start_or_answer", runs.c, run, build)
+    row = conn.execute(stmt, {**params, "p_kept": kept}).one()
+    return row.created is not None, row.holder
 
 
 def lock_key_txn(db: Database, conn: Connection, workflow: str, key: str) -> Any:
