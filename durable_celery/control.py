@@ -120,7 +120,7 @@ def _retake_key_txn(
         elif holder.holder_id == run.id:
             return False, None
         elif reuse_frees(workflow.reuse, holder.status):
-            key_rows.hand_key_txn(db, conn, name, run.key, run.id, None)
+            key_rows.hand_key_txn(db, conn, name, run.key, run.id)
         else:
             raise KeyTaken(holder.holder_id)
         previous = holder.holder_id if holder is not None else None

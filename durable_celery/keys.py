@@ -118,7 +118,7 @@ class KeyDecision:
     def _duplicate(self, holder: Any) -> Decision:
         if holder.status not in UNFINISHED:
             if reuse_frees(self.workflow.reuse, holder.status):
-                return self._hand_off(holder, "key_handed_off")
+                return self._hand_off(holder)
             if self.policy == "use_existing":
                 return self._answer(holder, "use_existing")
             return self._refuse(holder)
@@ -132,7 +132,7 @@ class KeyDecision:
         if self.policy == "cancel_existing":
             if holder.status == "compensating":
                 return self._refuse(holder)
-            return self._hand_off(holder, "key_duplicate")
+            return self._hand_off(holder)
         if self.policy == "run_again":
             return self._run_again(holder, unclaimed)
         return self._refuse(holder)
@@ -149,7 +149,7 @@ class KeyDecision:
             notices=[self._dup_notice(holder, "error")],
         )
 
-    def _hand_off(self, holder: Any, kind: str) -> Decision:
+    def _hand_off(self, holder: Any) -> Decision:
         """The new run takes the key from a finished holder, or replaces an unfinished one."""
         new_id = self.run["id"]
         decision = self._insert_new()
@@ -179,7 +179,7 @@ class KeyDecision:
                     {"run_id": holder.holder_id, "workflow": self.name, "status": "cancelled"},
                 )
             )
-        key_rows.hand_key_txn(self.db, self.conn, self.name, self.key, new_id, None)
+        key_rows.hand_key_txn(self.db, self.conn, self.name, self.key, new_id)
         activity_rows.record_txn(
             self.db,
             self.conn,
@@ -299,7 +299,7 @@ def settle_waiting_txn(
     db, waiting_id = durable.db, key_row.waiting_id
     reuse = workflow.reuse if workflow is not None else "after_close"
     if reuse_frees(reuse, status):
-        key_rows.hand_key_txn(db, conn, key_row.workflow, key_row.key, waiting_id, None)
+        key_rows.hand_key_txn(db, conn, key_row.workflow, key_row.key, waiting_id)
         conn.execute(
             update(runs)
             .where(runs.c.id == waiting_id, runs.c.status == "waiting")

@@ -151,7 +151,6 @@ def lock_key_txn(db: Database, conn: Connection, workflow: str, key: str) -> Any
                 holder.c.status,
                 holder.c.started_at,
                 holder.c.input,
-                holder.c.not_after,
             )
             .join(holder, holder.c.id == keys.c.holder_id)
             .where(keys.c.workflow == bindparam("p_workflow"), keys.c.key == bindparam("p_key"))
@@ -175,14 +174,12 @@ def drop_orphan_key_txn(conn: Connection, workflow: str, key: str) -> None:
     )
 
 
-def hand_key_txn(
-    db: Database, conn: Connection, workflow: str, key: str, new_holder: str, waiting_id: str | None
-) -> None:
-    """Give the key to ``new_holder`` (and set who waits behind it)."""
+def hand_key_txn(db: Database, conn: Connection, workflow: str, key: str, new_holder: str) -> None:
+    """Give the key to ``new_holder``, with no run waiting behind it."""
     conn.execute(
         update(keys)
         .where(keys.c.workflow == workflow, keys.c.key == key)
-        .values(holder_id=new_holder, waiting_id=waiting_id, taken_at=db.now())
+        .values(holder_id=new_holder, waiting_id=None, taken_at=db.now())
     )
 
 
@@ -191,16 +188,6 @@ def set_waiting_txn(conn: Connection, workflow: str, key: str, waiting_id: str |
     conn.execute(
         update(keys).where(keys.c.workflow == workflow, keys.c.key == key).values(waiting_id=waiting_id)
     )
-
-
-def waiting_behind_txn(conn: Connection, holder_ids: Sequence[str]) -> Sequence[Any]:
-    """Lock the key rows of holders that have a run waiting behind them."""
-    query = (
-        select(keys.c.workflow, keys.c.key, keys.c.holder_id, keys.c.waiting_id)
-        .where(keys.c.holder_id.in_(list(holder_ids)), keys.c.waiting_id.is_not(None))
-        .with_for_update()
-    )
-    return conn.execute(query).all()
 
 
 def forget_waiting_txn(conn: Connection, run_id: str) -> None:
