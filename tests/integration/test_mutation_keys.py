@@ -9,7 +9,6 @@ else. Messages are recorded instead of sent, so a wrong step index or attempt in
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,54 +21,6 @@ from durable_celery.store.schema import events, keys, runs
 from durable_celery.testing import wait_for, worker
 
 pytestmark = pytest.mark.timeout(60)
-
-SIGNALS = ("run_started", "run_finished", "key_duplicate", "key_handoff")
-
-
-class Seen:
-    """The signals and messages one Durable sent, in order."""
-
-    def __init__(self, durable: Any) -> None:
-        self.durable = durable
-        self.signals: list[tuple[str, dict[str, Any]]] = []
-        self.published: list[tuple[Any, ...]] = []
-        self._receivers = {name: self._receiver(name) for name in SIGNALS}
-
-    def _receiver(self, name: str) -> Any:
-        def receive(sender: Any, **kwargs: Any) -> None:
-            if sender is self.durable:
-                kwargs.pop("signal", None)
-                self.signals.append((name, kwargs))
-
-        return receive
-
-    def publish(self, workflow: Any, step_index: int, run_id: str, attempt: int, key: Any, **kw: Any) -> bool:
-        self.published.append((workflow.name, step_index, run_id, attempt, key))
-        return True
-
-    def publish_named(
-        self, workflow: str, run_id: str, step_index: int, attempt: int, key: Any, **kw: Any
-    ) -> bool:
-        self.published.append((workflow, step_index, run_id, attempt, key))
-        return True
-
-    def clear(self) -> None:
-        self.signals.clear()
-        self.published.clear()
-
-
-@pytest.fixture
-def seen(durable, monkeypatch) -> Iterator[Seen]:
-    recorder = Seen(durable)
-    monkeypatch.setattr(durable, "publish", recorder.publish)
-    monkeypatch.setattr(durable, "publish_named", recorder.publish_named)
-    for name, receiver in recorder._receivers.items():
-        getattr(signals, name).connect(receiver, weak=False)
-    try:
-        yield recorder
-    finally:
-        for name, receiver in recorder._receivers.items():
-            getattr(signals, name).disconnect(receiver)
 
 
 def _define(durable: Any, name: str = "decided", **options: Any) -> Any:
@@ -112,7 +63,7 @@ def _only(durable: Any, kind: str) -> Any:
     return entries[0]
 
 
-def _started(durable: Any, wf: Any, seen: Seen, data: dict[str, Any], key: str = "k") -> str:
+def _started(durable: Any, wf: Any, seen: Any, data: dict[str, Any], key: str = "k") -> str:
     run_id = durable.start(wf, data, key=key)
     assert seen.signals == [("run_started", {"run_id": run_id, "workflow": wf.name, "key": key})]
     assert seen.published == [(wf.name, 0, run_id, 1, key)]
