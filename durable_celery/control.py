@@ -147,7 +147,7 @@ def rerun(durable: Durable, run_id: str) -> str:
     return decision.run_id
 
 
-def release_key(durable: Durable, run_id: str, by: str | None = None) -> None:
+def release_key(durable: Durable, run_id: str, by: str | None) -> None:
     """Free a finished run's key; the run keeps its history and its ``key``."""
     db = durable.db
     with db.begin() as conn:
@@ -160,13 +160,13 @@ def release_key(durable: Durable, run_id: str, by: str | None = None) -> None:
     signals.key_release.send(sender=durable, run_id=run_id, workflow=run.workflow, key=run.key, by=by)
 
 
-def send_event(durable: Durable, run_id: str, name: str, payload: Any = None, buffer: bool = False) -> bool:
+def send_event(durable: Durable, run_id: str, name: str, payload: Any, buffer: bool) -> bool:
     """Deliver an event; True if a waiting run got it or it was kept (``buffer=True``)."""
     check_event(name, payload)
     return _deliver(durable, run_id, name, payload, buffer)
 
 
-def provide_input(durable: Durable, run_id: str, name: str, value: Any = None) -> bool:
+def provide_input(durable: Durable, run_id: str, name: str, value: Any) -> bool:
     """Give a run the input ``name`` it waits (or will wait) for; False if it has finished."""
     check_event(name, value)
     return _deliver(durable, run_id, INPUT + name, value, True)

@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select, update
+from sqlalchemy import delete, event, select, update
 
 from durable_celery import InvalidArgument, InvalidStart, KeyTaken, NoKey, NotFinished, RunNotFound
 from durable_celery.store import event_rows
@@ -192,6 +192,42 @@ def test_retry_is_refused_while_a_newer_run_keeps_the_key(durable, seen):
     assert _row(durable, first).status == "failed"
 
 
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite: the retry's transaction writes alone
+@pytest.mark.parametrize("meanwhile", ["retried", "pruned"])
+def test_a_retry_that_lost_a_race_says_so_and_takes_nothing(durable, seen, meanwhile):
+    wf = _define(durable)
+    run_id = _started(durable, wf, seen, {"n": 1})
+    _failed(durable, run_id)
+    durable.release_key(run_id)  # the retry takes the key afresh, then loses its race
+    done: list[bool] = []
+
+    def race(conn, cursor, statement, parameters, context, executemany):
+        # The retry read the run as failed; just before its UPDATE, elsewhere, the run is
+        # retried (now running) or pruned.
+        if done or not statement.startswith("UPDATE durable_runs") or "attempt_base" not in statement:
+            return
+        done.append(True)
+        with durable.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
+            if meanwhile == "retried":
+                other.execute(update(runs).where(runs.c.id == run_id).values(status="running", attempt=2))
+            else:
+                other.execute(delete(runs).where(runs.c.id == run_id))
+
+    event.listen(durable.db.engine, "before_cursor_execute", race)
+    try:
+        with pytest.raises(NotFinished if meanwhile == "retried" else RunNotFound) as lost:
+            durable.retry(run_id)
+    finally:
+        event.remove(durable.db.engine, "before_cursor_execute", race)
+    assert done and run_id in str(lost.value)
+    if meanwhile == "retried":
+        assert "retried meanwhile" in str(lost.value)
+        assert _row(durable, run_id).attempt == 2
+    assert durable.activity(kinds=["key_retaken"]) == []  # rolled back with the retry
+    assert durable.list_keys() == []
+    assert seen.published == [] and seen.signals == []
+
+
 # -- rerun ---------------------------------------------------------------------------------------
 
 
@@ -225,6 +261,8 @@ def test_rerun_of_a_held_key_refuses(durable, seen):
     with pytest.raises(KeyTaken) as refused:
         durable.rerun(first)
     assert refused.value.holder_id == holder
+    entry = _only(durable, "key_duplicate")  # refused by the policy "error", whatever the workflow's
+    assert (entry.details["policy"], entry.details["outcome"]) == ("error", "error")
 
 
 def test_rerun_checks_the_input_against_today_s_limits(make_durable):
