@@ -512,11 +512,6 @@ def fail_overdue_txn(db: Database, conn: Connection, run_id: str, error: dict[st
     return bool(conn.execute(query).rowcount == 1)
 
 
-def run_status(conn: Connection, run_id: str) -> str | None:
-    """The status of one run, or None when there is no such run."""
-    return conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
-
-
 def run_fence(conn: Connection, run_id: str) -> int | None:
     """The fencing token of one run, or None when there is no such run."""
     return conn.execute(select(runs.c.fence).where(runs.c.id == run_id)).scalar()
