@@ -89,6 +89,12 @@ TARGETS = {
             [
                 "tests/integration/test_relay.py",
                 "tests/integration/test_database_down.py",
+                "tests/integration/test_outbox.py",
+                "tests/integration/test_children.py",
+                "tests/integration/test_waits.py",
+                "tests/integration/test_queues.py",
+                "tests/integration/test_migrations.py",
+                "tests/integration/test_metrics.py",
                 *GUARDS,
             ],
             "stale sweep, timeouts, orphans, the upkeep threads",
