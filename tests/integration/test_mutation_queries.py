@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import select, update
 
 from durable_celery import current_run, upkeep
+from durable_celery.store import queries
 from durable_celery.store.schema import runs
 
 pytestmark = pytest.mark.timeout(60)
@@ -186,7 +187,7 @@ def test_the_stale_sweep_fails_a_run_lost_max_losses_times(make_durable, status)
 
 def test_the_timeout_sweep_fails_only_unfinished_runs_past_their_deadline(durable):
     steps = Steps(durable, timeout=600)
-    over, early, done, none = (durable.start(steps.wf) for _ in range(4))
+    over, early, done, none, parked, queued = (durable.start(steps.wf) for _ in range(6))
     _set(
         durable,
         over,
@@ -195,10 +196,13 @@ def test_the_timeout_sweep_fails_only_unfinished_runs_past_their_deadline(durabl
         heartbeat_at=_ago(durable, 1),
         deadline_at=_ago(durable, 5),
     )
+    _set(durable, parked, status="waiting", wait_name="approval", due_at=None, deadline_at=_ago(durable, 4))
+    _set(durable, queued, deadline_at=_ago(durable, 3))  # pending, never claimed
     _set(durable, early, deadline_at=durable.db.utcnow() + timedelta(seconds=60))
     _set(durable, done, status="completed", finished_at=_ago(durable, 9), deadline_at=_ago(durable, 5))
     _set(durable, none, deadline_at=None)
-    assert upkeep.fail_overdue_once(durable) == [over]
+    assert sorted(upkeep.fail_overdue_once(durable)) == sorted([over, parked, queued])
+    assert [_row(durable, r).status for r in (parked, queued)] == ["failed", "failed"]
     row = _row(durable, over)
     assert (row.status, row.locked_by, row.heartbeat_at, row.due_at) == ("failed", None, None, None)
     assert row.finished_at is not None
@@ -209,3 +213,21 @@ def test_the_timeout_sweep_fails_only_unfinished_runs_past_their_deadline(durabl
     }
     assert [_row(durable, r).status for r in (early, done, none)] == ["pending", "completed", "pending"]
     assert upkeep.fail_overdue_once(durable) == []
+
+
+def test_a_hand_back_frees_the_run_for_the_relay_later_only_under_its_fence(durable):
+    steps = Steps(durable)
+    run_id = durable.start(steps.wf)
+    held = {"status": "running", "fence": 3, "locked_by": "w:1:1", "heartbeat_at": _ago(durable, 1)}
+    _set(durable, run_id, published=True, **held)
+    with durable.db.begin() as conn:
+        assert queries.hand_back_txn(durable.db, conn, run_id, 2, 30) is False  # fenced out
+    assert (_row(durable, run_id).locked_by, _row(durable, run_id).published) == ("w:1:1", True)
+    before = durable.db.utcnow()
+    with durable.db.begin() as conn:
+        assert queries.hand_back_txn(durable.db, conn, run_id, 3, 30) is True
+    row = _row(durable, run_id)
+    assert (row.status, row.fence, row.attempt) == ("running", 3, 1)  # the same attempt, unrecorded
+    assert (row.locked_by, row.heartbeat_at, row.published) == (None, None, False)  # the relay sends it
+    due = row.due_at if row.due_at.tzinfo else row.due_at.replace(tzinfo=before.tzinfo)
+    assert timedelta(seconds=29) <= due - before <= timedelta(seconds=40)
