@@ -12,11 +12,19 @@ import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import delete, event, select, update
+from sqlalchemy import delete, event, insert, select, update
 
-from durable_celery import InvalidArgument, InvalidStart, KeyTaken, NoKey, NotFinished, RunNotFound
+from durable_celery import (
+    InvalidArgument,
+    InvalidStart,
+    KeyContended,
+    KeyTaken,
+    NoKey,
+    NotFinished,
+    RunNotFound,
+)
 from durable_celery.store import event_rows
-from durable_celery.store.schema import events, runs
+from durable_celery.store.schema import events, keys, runs
 
 from .test_mutation_keys import _define, _key_holders, _only, _row, _set, _started
 
@@ -226,6 +234,53 @@ def test_a_retry_that_lost_a_race_says_so_and_takes_nothing(durable, seen, meanw
     assert durable.activity(kinds=["key_retaken"]) == []  # rolled back with the retry
     assert durable.list_keys() == []
     assert seen.published == [] and seen.signals == []
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite: the retry's transaction writes alone
+def test_a_retry_gives_up_on_a_key_that_keeps_changing_hands(durable, seen):
+    wf = _define(durable)
+    run_id = _started(durable, wf, seen, {"n": 1})
+    other = durable.start(wf, {"n": 2})  # holds no key: it can be made to hold this one
+    seen.clear()
+    _failed(durable, run_id)
+    flips: list[str] = []
+    busy: list[bool] = []  # the hook's own statements pass through
+
+    def flip(conn, cursor, statement, parameters, context, executemany):
+        # Each time the retry looks at the key it is gone, and each time it claims it, it is
+        # back (held by another run): the key changes hands under it every time.
+        head = statement.lstrip().upper()
+        if busy or not head.startswith(("SELECT DURABLE_KEYS", "INSERT INTO DURABLE_KEYS")):
+            return
+        busy.append(True)
+        try:
+            with durable.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as elsewhere:
+                if head.startswith("SELECT"):
+                    elsewhere.execute(delete(keys).where(keys.c.workflow == wf.name, keys.c.key == "k"))
+                    flips.append("gone")
+                else:
+                    back = {"workflow": wf.name, "key": "k", "holder_id": other, "taken_at": _now()}
+                    elsewhere.execute(insert(keys).values(**back))
+                    flips.append("back")
+        finally:
+            busy.clear()
+
+    event.listen(durable.db.engine, "before_cursor_execute", flip)
+    try:
+        with pytest.raises(KeyContended) as contended:
+            durable.retry(run_id)
+    finally:
+        event.remove(durable.db.engine, "before_cursor_execute", flip)
+    assert flips == ["gone", "back"] * 3  # MAX_HANDS tries, then it gives up
+    assert str(contended.value) == f"key 'k' of '{wf.name}' changed hands 3 times"
+    assert _row(durable, run_id).status == "failed"
+    assert seen.published == [] and seen.signals == []
+
+
+def _now() -> Any:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc)
 
 
 # -- rerun ---------------------------------------------------------------------------------------
