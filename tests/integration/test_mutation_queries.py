@@ -231,3 +231,113 @@ def test_a_hand_back_frees_the_run_for_the_relay_later_only_under_its_fence(dura
     assert (row.locked_by, row.heartbeat_at, row.published) == (None, None, False)  # the relay sends it
     due = row.due_at if row.due_at.tzinfo else row.due_at.replace(tzinfo=before.tzinfo)
     assert timedelta(seconds=29) <= due - before <= timedelta(seconds=40)
+
+
+# -- statements read by the engine, rollout and the dashboard, called directly ------------------
+
+
+def _runs(durable: Any, steps: Steps, n: int) -> list[str]:
+    return [durable.start(steps.wf) for _ in range(n)]
+
+
+def test_run_held_by_finds_a_run_only_under_its_holder_s_node_prefix(durable):
+    steps = Steps(durable)
+    mine, compensating, other_node, wildcard, unlocked, finished = _runs(durable, steps, 6)
+    beat = _ago(durable, 1)
+    _set(durable, mine, status="running", locked_by="w_1:9", heartbeat_at=beat)
+    _set(durable, compensating, status="compensating", locked_by="w_1:7", heartbeat_at=beat)
+    _set(durable, other_node, status="running", locked_by="w_12:9", heartbeat_at=beat)
+    _set(durable, wildcard, status="running", locked_by="wx1:9", heartbeat_at=beat)  # `_` is literal
+    _set(durable, finished, status="completed", locked_by="w_1:9")
+    with durable.db.engine.connect() as conn:
+        held = queries.run_held_by(conn, mine, "w_1:")
+        assert (held.id, held.workflow, held.status, held.locked_by) == (mine, "claimed", "running", "w_1:9")
+        assert held.heartbeat_at is not None and held.fence == 0
+        assert queries.run_held_by(conn, compensating, "w_1:").status == "compensating"
+        for run_id in (other_node, wildcard, unlocked, finished):
+            assert queries.run_held_by(conn, run_id, "w_1:") is None
+
+
+def test_step_recorded_matches_the_run_step_phase_attempt_and_worker_exactly(durable):
+    steps = Steps(durable)
+    run_id, other = _runs(durable, steps, 2)
+    assert steps.run(run_id, 0) == "running"
+    (first,) = durable.list_steps(run_id)
+    with durable.db.engine.connect() as conn:
+        exact = (run_id, 0, "step", first.attempt, first.worker)
+        assert queries.step_recorded(conn, *exact) is True
+        for changed in (
+            (other, 0, "step", first.attempt, first.worker),
+            (run_id, 1, "step", first.attempt, first.worker),
+            (run_id, 0, "compensation", first.attempt, first.worker),
+            (run_id, 0, "step", first.attempt + 1, first.worker),
+            (run_id, 0, "step", first.attempt, first.worker + "x"),
+        ):
+            assert queries.step_recorded(conn, *changed) is False, changed
+
+
+def test_pending_inputs_lists_runs_waiting_for_an_input_oldest_first(durable):
+    steps = Steps(durable)
+    older, newer, lookalike, running = (durable.start(steps.wf, key=f"k-{n}") for n in range(4))
+    until = durable.db.utcnow() + timedelta(seconds=60)
+    _set(durable, older, status="waiting", wait_name="in_put:a", wait_until=until)
+    _set(durable, older, created_at=_ago(durable, 9))
+    _set(durable, newer, status="waiting", wait_name="in_put:b", created_at=_ago(durable, 5))
+    _set(durable, lookalike, status="waiting", wait_name="inXput:c")  # `_` is literal
+    _set(durable, running, status="running", wait_name="in_put:d")
+    with durable.db.engine.connect() as conn:
+        found = queries.pending_inputs(conn, "in_put:", 10)
+        assert [(r.id, r.workflow, r.wait_name, r.key) for r in found] == [
+            (older, "claimed", "in_put:a", "k-0"),
+            (newer, "claimed", "in_put:b", "k-1"),
+        ]
+        assert found[0].wait_until is not None and found[1].wait_until is None
+        assert [r.id for r in queries.pending_inputs(conn, "in_put:", 1)] == [older]
+
+
+def test_count_runs_by_status_counts_each_workflow_and_status(durable):
+    steps = Steps(durable)
+    a, b, c = _runs(durable, steps, 3)
+    _set(durable, c, status="completed")
+    other = durable.workflow("other")
+    other.step(lambda: None, name="only")
+    durable.start(other)
+    with durable.db.engine.connect() as conn:
+        assert queries.count_runs_by_status(conn) == {
+            ("claimed", "pending"): 2,
+            ("claimed", "completed"): 1,
+            ("other", "pending"): 1,
+        }
+
+
+@pytest.mark.parametrize("action", ["defer", "fail"])
+def test_a_run_without_its_code_here_is_deferred_or_failed_only_if_unclaimed_at_that_step(durable, action):
+    steps = Steps(durable)
+    run_id, bystander, locked, moved_on, finished = _runs(durable, steps, 5)
+    for r in (run_id, bystander, locked, moved_on, finished):
+        _set(durable, r, step_index=1, published=True, due_at=_ago(durable, 1))
+    _set(durable, locked, status="running", locked_by="w:1:1")
+    _set(durable, moved_on, step_index=2)
+    _set(durable, finished, status="completed")
+    error = {"type": "definition_changed", "message": "gone", "traceback": None}
+    before = durable.db.utcnow()
+
+    def act(conn: Any, target: str) -> bool:
+        if action == "defer":
+            return queries.defer_unclaimed_txn(durable.db, conn, target, 1, 30)
+        return queries.fail_unclaimed_txn(durable.db, conn, target, 1, error)
+
+    with durable.db.begin() as conn:
+        for target in (locked, moved_on, finished):
+            assert act(conn, target) is False
+        assert act(conn, run_id) is True
+    row = _row(durable, run_id)
+    if action == "defer":
+        assert (row.status, row.published, row.error, row.finished_at) == ("pending", False, None, None)
+        due = row.due_at if row.due_at.tzinfo else row.due_at.replace(tzinfo=before.tzinfo)
+        assert timedelta(seconds=29) <= due - before <= timedelta(seconds=40)
+    else:
+        assert (row.status, row.published, row.error, row.due_at) == ("failed", False, error, None)
+        assert row.finished_at is not None
+    untouched = _row(durable, bystander)
+    assert (untouched.status, untouched.published, untouched.due_at is not None) == ("pending", True, True)
