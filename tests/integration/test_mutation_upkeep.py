@@ -93,3 +93,61 @@ def test_stale_locks_are_swept_only_once_the_database_was_seen_for_the_whole_tim
     assert keeper.may_sweep_stale() is False
     keeper.db_seen_since = time.monotonic() - timeout - 1
     assert keeper.may_sweep_stale() is True
+
+
+@pytest.mark.parametrize("status", ["running", "compensating"])
+def test_the_stale_sweep_records_and_announces_a_run_lost_for_good(make_durable, status):
+    durable = make_durable(max_losses=2)
+    wf = _define(durable)
+    run_id = durable.start(wf, {"n": 1}, key="k")
+    lock = {"locked_by": "gone:1:1", "heartbeat_at": _ago(durable, 3600), "losses": 1}
+    _set(durable, run_id, status=status, started_at=_ago(durable, 3600), **lock)
+    finished: list[dict[str, Any]] = []
+
+    def receive(sender: Any, **kwargs: Any) -> None:
+        if sender is durable:
+            kwargs.pop("signal", None)
+            finished.append(kwargs)
+
+    from durable_celery import signals
+
+    signals.run_finished.connect(receive, weak=False)
+    try:
+        assert upkeep.sweep_stale_once(durable) == ([], [run_id])
+    finally:
+        signals.run_finished.disconnect(receive)
+    ended = "compensation_failed" if status == "compensating" else "failed"
+    assert finished == [{"run_id": run_id, "workflow": wf.name, "status": ended}]
+    assert _row(durable, run_id).status == ended
+    (entry,) = durable.activity(kinds=["stale_recovered"])
+    assert (entry.run_id, entry.workflow) == (run_id, wf.name)
+    details = {"key": "k", "workflow": wf.name, "locked_by": "gone:1:1", "losses": 2, "failed": True}
+    assert entry.details == details
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite: the sweep's transaction writes alone
+def test_a_stale_run_that_beats_again_before_the_take_back_is_left_alone(durable):
+    from sqlalchemy import event, update
+
+    from durable_celery.store.schema import runs
+
+    wf = _define(durable)
+    run_id = durable.start(wf, {"n": 1})
+    _set(durable, run_id, status="running", locked_by="slow:1:1", heartbeat_at=_ago(durable, 3600))
+    beaten: list[bool] = []
+
+    def beat_first(conn, cursor, statement, parameters, context, executemany):
+        # The sweep read the run as stale; its worker beats just before the take-back.
+        if beaten or not statement.startswith("UPDATE durable_runs"):
+            return
+        beaten.append(True)
+        with durable.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
+            other.execute(update(runs).where(runs.c.id == run_id).values(heartbeat_at=durable.db.utcnow()))
+
+    event.listen(durable.db.engine, "before_cursor_execute", beat_first)
+    try:
+        assert upkeep.sweep_stale_once(durable) == ([], [])
+    finally:
+        event.remove(durable.db.engine, "before_cursor_execute", beat_first)
+    assert beaten and _row(durable, run_id).locked_by == "slow:1:1"
+    assert durable.activity(kinds=["stale_recovered"]) == []
