@@ -278,7 +278,7 @@ def test_step_recorded_matches_the_run_step_phase_attempt_and_worker_exactly(dur
 
 def test_pending_inputs_lists_runs_waiting_for_an_input_oldest_first(durable):
     steps = Steps(durable)
-    older, newer, lookalike, running = (durable.start(steps.wf, key=f"k-{n}") for n in range(4))
+    newer, older, lookalike, running = (durable.start(steps.wf, key=f"k-{n}") for n in range(4))
     until = durable.db.utcnow() + timedelta(seconds=60)
     _set(durable, older, status="waiting", wait_name="in_put:a", wait_until=until)
     _set(durable, older, created_at=_ago(durable, 9))
@@ -288,8 +288,8 @@ def test_pending_inputs_lists_runs_waiting_for_an_input_oldest_first(durable):
     with durable.db.engine.connect() as conn:
         found = queries.pending_inputs(conn, "in_put:", 10)
         assert [(r.id, r.workflow, r.wait_name, r.key) for r in found] == [
-            (older, "claimed", "in_put:a", "k-0"),
-            (newer, "claimed", "in_put:b", "k-1"),
+            (older, "claimed", "in_put:a", "k-1"),  # inserted second, created first
+            (newer, "claimed", "in_put:b", "k-0"),
         ]
         assert found[0].wait_until is not None and found[1].wait_until is None
         assert [r.id for r in queries.pending_inputs(conn, "in_put:", 1)] == [older]
