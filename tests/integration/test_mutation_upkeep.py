@@ -151,3 +151,40 @@ def test_a_stale_run_that_beats_again_before_the_take_back_is_left_alone(durable
         event.remove(durable.db.engine, "before_cursor_execute", beat_first)
     assert beaten and _row(durable, run_id).locked_by == "slow:1:1"
     assert durable.activity(kinds=["stale_recovered"]) == []
+
+
+def test_a_stopping_worker_shows_its_node_as_draining(durable):
+    from types import SimpleNamespace
+
+    keeper = upkeep.Upkeep(durable, SimpleNamespace(hostname="leaving@test"))
+    other = upkeep.Upkeep(durable, SimpleNamespace(hostname="staying@test"))
+    keeper._register_node(durable)
+    other._register_node(durable)
+    keeper.mark_draining(durable)
+    draining = {n["name"]: n["draining"] for n in durable.list_nodes()}
+    assert draining == {"leaving@test": True, "staying@test": False}
+    upkeep.Upkeep(durable).mark_draining(durable)  # no worker, no node: nothing to mark
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_forking_pool_is_refused_only_on_a_one_process_store(make_durable, tmp_path, pool):
+    import uuid
+
+    from celery import Celery
+    from celery.concurrency import get_implementation
+    from celery.exceptions import WorkerShutdown
+
+    from durable_celery import Durable
+
+    worker = type("Worker", (), {"pool": get_implementation(pool)(limit=1)})()
+    memory = Durable(Celery("one_process", broker="memory://"), f"memory://{uuid.uuid4().hex}")
+    try:
+        if pool == "prefork":
+            with pytest.raises(WorkerShutdown):
+                upkeep.refuse_forking_pool(memory, worker)
+        else:
+            upkeep.refuse_forking_pool(memory, worker)
+        upkeep.refuse_forking_pool(make_durable(), worker)  # a shared store: any pool will do
+        upkeep.refuse_forking_pool(memory, type("Starting", (), {})())  # no pool yet
+    finally:
+        memory.db.dispose()
