@@ -46,7 +46,7 @@ def cancel(durable: Durable, run_id: str) -> bool:
             conn,
             run,
             "cancelled",
-            lambda c: queries.cancel_run_txn(db, c, run_id, error, CANCELLABLE) is not None,
+            lambda c: queries.cancel_run_txn(db, c, run_id, error, CANCELLABLE),
         )
         if not done:
             return False

@@ -166,10 +166,10 @@ def heartbeat_run(db: Database, conn: Connection, run_id: str, fence: int) -> bo
 
     def build() -> Any:
         now = db.clock_expression("p_now", Clock())
-        return _held_run_update({"heartbeat_at": now}).returning(runs.c.id)
+        return _held_run_update({"heartbeat_at": now})
 
     params = {"p_id": run_id, "p_fence": fence, **db.clock_params({"p_now": Clock()})}
-    return conn.execute(db.statement("heartbeat", build), params).first() is not None
+    return bool(conn.execute(db.statement("heartbeat", build), params).rowcount == 1)
 
 
 _INSERT_STEP = insert(steps)
@@ -329,8 +329,8 @@ def pending_inputs(conn: Connection, prefix: str, limit: int) -> Sequence[Any]:
 
 def cancel_run_txn(
     db: Database, conn: Connection, run_id: str, error: dict[str, Any], statuses: Sequence[str]
-) -> Row[Any] | None:
-    """Mark an unfinished run cancelled; returns it, or None when its status was not one given."""
+) -> bool:
+    """Mark an unfinished run cancelled; False when its status was not one given."""
     query = (
         update(runs)
         .where(runs.c.id == run_id, runs.c.status.in_(list(statuses)))
@@ -342,9 +342,8 @@ def cancel_run_txn(
             published=False,
             locked_by=None,
         )
-        .returning(runs.c.id, runs.c.workflow, runs.c.key)
     )
-    return conn.execute(query).first()
+    return bool(conn.execute(query).rowcount == 1)
 
 
 def relay_candidates(db: Database, conn: Connection, relay_after: float, *where: Any) -> Sequence[Any]:

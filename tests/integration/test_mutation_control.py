@@ -57,7 +57,11 @@ def _failed(durable: Any, run_id: str, **values: Any) -> None:
 def test_cancel_records_why_and_refuses_a_finished_run(durable, seen):
     wf = _define(durable)
     run_id = _started(durable, wf, seen, {"n": 1})
+    _set(durable, run_id, status="running", locked_by="w:1:1", published=True)  # due, sent, held
     assert durable.cancel(run_id) is True
+    row = _row(durable, run_id)
+    assert (row.locked_by, row.due_at, row.published) == (None, None, False)
+    assert row.finished_at is not None
     run = durable.get_run(run_id)
     assert (run.status, run.error) == (
         "cancelled",

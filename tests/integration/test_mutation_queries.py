@@ -341,3 +341,17 @@ def test_a_run_without_its_code_here_is_deferred_or_failed_only_if_unclaimed_at_
         assert row.finished_at is not None
     untouched = _row(durable, bystander)
     assert (untouched.status, untouched.published, untouched.due_at is not None) == ("pending", True, True)
+
+
+def test_a_heartbeat_moves_the_lock_s_time_forward_only_under_its_fence(durable):
+    steps = Steps(durable)
+    run_id = durable.start(steps.wf)
+    old = _ago(durable, 120)
+    _set(durable, run_id, status="running", fence=4, locked_by="w:1:1", heartbeat_at=old)
+    with durable.db.begin() as conn:
+        assert queries.heartbeat_run(durable.db, conn, run_id, 3) is False  # fenced out
+    before = _row(durable, run_id).heartbeat_at  # untouched by the fenced-out beat
+    with durable.db.begin() as conn:
+        assert queries.heartbeat_run(durable.db, conn, run_id, 4) is True
+    after = _row(durable, run_id).heartbeat_at
+    assert after is not None and after - before >= timedelta(seconds=119)
