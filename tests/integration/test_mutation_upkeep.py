@@ -100,27 +100,39 @@ def test_the_stale_sweep_records_and_announces_a_run_lost_for_good(make_durable,
     durable = make_durable(max_losses=2)
     wf = _define(durable)
     run_id = durable.start(wf, {"n": 1}, key="k")
+    also = durable.start(wf, {"n": 2})  # lost for good too: the pass goes on to it
     lock = {"locked_by": "gone:1:1", "heartbeat_at": _ago(durable, 3600), "losses": 1}
     _set(durable, run_id, status=status, started_at=_ago(durable, 3600), **lock)
+    _set(durable, also, status="running", started_at=_ago(durable, 3600), **lock)
     finished: list[dict[str, Any]] = []
+    recovered: list[dict[str, Any]] = []
 
-    def receive(sender: Any, **kwargs: Any) -> None:
-        if sender is durable:
-            kwargs.pop("signal", None)
-            finished.append(kwargs)
+    def receive(into: list[dict[str, Any]]) -> Any:
+        def store(sender: Any, **kwargs: Any) -> None:
+            if sender is durable:
+                kwargs.pop("signal", None)
+                into.append(kwargs)
+
+        return store
 
     from durable_celery import signals
 
-    signals.run_finished.connect(receive, weak=False)
+    on_finished, on_recovered = receive(finished), receive(recovered)
+    signals.run_finished.connect(on_finished, weak=False)
+    signals.stale_recovered.connect(on_recovered, weak=False)
     try:
-        assert upkeep.sweep_stale_once(durable) == ([], [run_id])
+        handed_back, failed = upkeep.sweep_stale_once(durable)
     finally:
-        signals.run_finished.disconnect(receive)
+        signals.run_finished.disconnect(on_finished)
+        signals.stale_recovered.disconnect(on_recovered)
+    assert (handed_back, sorted(failed)) == ([], sorted([run_id, also]))
+    assert recovered == [{"run_ids": [], "failed_ids": failed}]
     ended = "compensation_failed" if status == "compensating" else "failed"
-    assert finished == [{"run_id": run_id, "workflow": wf.name, "status": ended}]
+    assert {"run_id": run_id, "workflow": wf.name, "status": ended} in finished
+    assert {"run_id": also, "workflow": wf.name, "status": "failed"} in finished and len(finished) == 2
     assert _row(durable, run_id).status == ended
-    (entry,) = durable.activity(kinds=["stale_recovered"])
-    assert (entry.run_id, entry.workflow) == (run_id, wf.name)
+    (entry,) = [e for e in durable.activity(kinds=["stale_recovered"]) if e.run_id == run_id]
+    assert entry.workflow == wf.name
     details = {"key": "k", "workflow": wf.name, "locked_by": "gone:1:1", "losses": 2, "failed": True}
     assert entry.details == details
 
