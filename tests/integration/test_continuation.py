@@ -187,6 +187,21 @@ def test_a_paused_queue_stops_the_chain_and_its_resume_goes_on(make_durable):
         assert wait_for(durable, run_id).output == "second"
 
 
+def test_only_a_pause_of_the_next_step_s_own_queue_stops_the_chain(make_durable, published):
+    durable = make_durable()
+    wf, ran = chain_of(durable, "unpaused", 3)
+    default = durable.app.conf.task_default_queue
+    durable.pause_queue(f"elsewhere-{uuid.uuid4().hex[:6]}")  # another queue is paused
+    durable.pause_queue(default)
+    durable.resume_queue(default)  # this one was, and is no more
+    sent = published("unpaused")
+    with worker(durable):
+        run_id = durable.start(wf)
+        assert wait_for(durable, run_id).status == "completed"
+    assert sent.names == ["durable.unpaused.s0"]  # one message: every next step ran inline
+    assert len({thread for _, thread in ran}) == 1
+
+
 def test_an_inline_step_is_fenced_like_a_published_one(make_durable):
     """The next step's claim moves the fence: a write under the old fence records nothing."""
     durable = make_durable()
