@@ -343,10 +343,11 @@ def refuse_old_schema(durable: Durable) -> None:
 def refuse_forking_pool(durable: Durable, worker: Any) -> None:
     """Stop a starting worker whose pool forks processes when the store is one process only
     (the in-memory store): each pool process would see a copy of its own."""
-    pool = getattr(worker, "pool", None)
-    if Capability.MULTI_PROCESS in durable.capabilities or pool is None:
+    from celery.concurrency.prefork import TaskPool as ForkingPool
+
+    if Capability.MULTI_PROCESS in durable.capabilities:
         return
-    if type(pool).__module__.rsplit(".", 1)[-1] != "prefork":
+    if not isinstance(getattr(worker, "pool", None), ForkingPool):
         return
     message = (
         f"durable: the {durable.db.masked_url} store is one process only (missing MULTI_PROCESS): "
