@@ -202,6 +202,29 @@ def test_only_a_pause_of_the_next_step_s_own_queue_stops_the_chain(make_durable,
     assert len({thread for _, thread in ran}) == 1
 
 
+def test_an_inline_claim_takes_the_lock_under_a_new_fence_with_no_message_marks(make_durable):
+    from sqlalchemy import select
+
+    from durable_celery.store.schema import runs
+
+    durable = make_durable()
+    seen = []
+    wf = durable.workflow("marks")
+
+    def look():
+        with durable.db.engine.connect() as conn:
+            seen.append(conn.execute(select(runs).where(runs.c.id == current_run().id)).one())
+
+    wf.step(look, name="first")
+    wf.step(look, name="second")
+    with worker(durable):
+        assert wait_for(durable, durable.start(wf)).status == "completed"
+    first, second = seen
+    assert (second.step_index, second.fence, second.attempt) == (1, first.fence + 1, 1)
+    assert (second.resends, second.resend_at, second.published, second.due_at) == (0, None, False, None)
+    assert second.locked_by == first.locked_by and second.heartbeat_at is not None
+
+
 def test_an_inline_step_is_fenced_like_a_published_one(make_durable):
     """The next step's claim moves the fence: a write under the old fence records nothing."""
     durable = make_durable()
