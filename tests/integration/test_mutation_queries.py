@@ -172,6 +172,7 @@ def test_the_stale_sweep_fails_a_run_lost_max_losses_times(make_durable, status)
     steps = Steps(durable)
     run_id = durable.start(steps.wf)
     _locked(durable, run_id, 60, losses=2, status=status)
+    _set(durable, run_id, due_at=_ago(durable, 1))  # a failed run is due no more
     assert upkeep.sweep_stale_once(durable) == ([], [run_id])
     row = _row(durable, run_id)
     ended = "compensation_failed" if status == "compensating" else "failed"
@@ -355,3 +356,34 @@ def test_a_heartbeat_moves_the_lock_s_time_forward_only_under_its_fence(durable)
         assert queries.heartbeat_run(durable.db, conn, run_id, 4) is True
     after = _row(durable, run_id).heartbeat_at
     assert after is not None and after - before >= timedelta(seconds=119)
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite: the sweep's transaction writes alone
+@pytest.mark.parametrize("meanwhile", ["cancelled", "claimed_again"])
+def test_the_stale_sweep_takes_back_nothing_that_changed_hands_since_it_looked(durable, meanwhile):
+    from sqlalchemy import event
+
+    steps = Steps(durable)
+    run_id = durable.start(steps.wf)
+    _locked(durable, run_id, 3600)
+    done: list[bool] = []
+
+    def change_hands(conn, cursor, statement, parameters, context, executemany):
+        # The sweep read the lock as stale; just before its take-back the run was cancelled
+        # (unlocked, its last beat kept) or taken over by a worker that then went silent too.
+        if done or not statement.startswith("UPDATE durable_runs"):
+            return
+        done.append(True)
+        changed = {"locked_by": None, "status": "cancelled"}
+        if meanwhile == "claimed_again":
+            changed = {"locked_by": "other:2:2", "fence": runs.c.fence + 1}
+        with durable.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
+            other.execute(update(runs).where(runs.c.id == run_id).values(**changed))
+
+    event.listen(durable.db.engine, "before_cursor_execute", change_hands)
+    try:
+        assert upkeep.sweep_stale_once(durable) == ([], [])
+    finally:
+        event.remove(durable.db.engine, "before_cursor_execute", change_hands)
+    assert done and durable.activity(kinds=["stale_recovered"]) == []
+    assert _row(durable, run_id).losses == 0
