@@ -220,12 +220,10 @@ def _go_on_params(db: Database, go_on: GoOn | None) -> dict[str, Any]:
     return {"c_node": go_on.node, "c_queue": go_on.queue, **db.clock_params({"c_now": Clock()})}
 
 
-def _record_values(run_values: dict[str, Any], go_on: GoOn | None) -> dict[str, Any]:
-    values = {"locked_by": None, "heartbeat_at": None, **run_values}
-    if go_on is not None:
-        for column in ("locked_by", "heartbeat_at", "due_at", "published", "resends", "resend_at"):
-            values.pop(column, None)
-    return values
+def _record_values(run_values: dict[str, Any]) -> dict[str, Any]:
+    """The run's columns a record sets: unlocked, then ``run_values``. With a continuation,
+    ``_go_on_values`` sets the lock and message columns again, last."""
+    return {"locked_by": None, "heartbeat_at": None, **run_values}
 
 
 def record_step_txn(
@@ -239,7 +237,7 @@ def record_step_txn(
 ) -> Row[Any] | None:
     """Write a step's outcome and the run's next state, unless the worker was fenced out
     (None); with ``go_on``, also claim the next step (the row has the claim's columns)."""
-    values = _record_values(run_values, go_on)
+    values = _record_values(run_values)
 
     def build(set_values: dict[str, Any]) -> Any:
         if go_on is None:
@@ -266,7 +264,7 @@ def record_step(
     go_on: GoOn | None = None,
 ) -> Row[Any] | None:
     """PostgreSQL only: :func:`record_step_txn` as one statement, for an autocommit connection."""
-    values = _record_values(run_values, go_on)
+    values = _record_values(run_values)
     step_keys = tuple(step_row)
 
     def build() -> Any:
