@@ -179,7 +179,7 @@ def test_a_stopping_worker_shows_its_node_as_draining(durable):
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
-def test_a_forking_pool_is_refused_only_on_a_one_process_store(make_durable, tmp_path, pool):
+def test_a_forking_pool_is_refused_only_on_a_one_process_store(make_durable, capsys, pool):
     import uuid
 
     from celery import Celery
@@ -192,8 +192,15 @@ def test_a_forking_pool_is_refused_only_on_a_one_process_store(make_durable, tmp
     memory = Durable(Celery("one_process", broker="memory://"), f"memory://{uuid.uuid4().hex}")
     try:
         if pool == "prefork":
-            with pytest.raises(WorkerShutdown):
+            with pytest.raises(WorkerShutdown) as refused:
                 upkeep.refuse_forking_pool(memory, worker)
+            assert refused.value.args == (1,)  # the worker's exit code
+            said = capsys.readouterr()
+            assert said.out == ""
+            assert said.err == (
+                f"durable: the {memory.db.masked_url} store is one process only (missing MULTI_PROCESS): "
+                "start this worker with --pool threads (or solo), or give Durable a database URL\n"
+            )
         else:
             upkeep.refuse_forking_pool(memory, worker)
         upkeep.refuse_forking_pool(make_durable(), worker)  # a shared store: any pool will do
