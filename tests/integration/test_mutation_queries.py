@@ -387,3 +387,39 @@ def test_the_stale_sweep_takes_back_nothing_that_changed_hands_since_it_looked(d
         event.remove(durable.db.engine, "before_cursor_execute", change_hands)
     assert done and durable.activity(kinds=["stale_recovered"]) == []
     assert _row(durable, run_id).losses == 0
+
+
+def test_a_claim_takes_only_the_run_it_names(durable):
+    steps = Steps(durable)
+    run_id, other = _runs(durable, steps, 2)
+    before = _row(durable, other)
+    with durable.db.begin() as conn:
+        claimed = queries.claim_run(durable.db, conn, run_id, 0, "w:1:1")
+    assert claimed.id == run_id
+    assert _row(durable, other) == before
+
+
+def test_a_claim_waits_while_the_run_s_queue_is_paused(durable):
+    steps = Steps(durable)
+    run_id = durable.start(steps.wf)
+    queue = _row(durable, run_id).queue
+    durable.pause_queue(queue)
+    before = _row(durable, run_id)
+    with durable.db.begin() as conn:
+        assert queries.claim_run(durable.db, conn, run_id, 0, "w:1:1") is None
+    assert _row(durable, run_id) == before
+    durable.resume_queue(queue)
+    with durable.db.begin() as conn:
+        assert queries.claim_run(durable.db, conn, run_id, 0, "w:1:1").id == run_id
+
+
+def test_a_compensation_claim_keeps_the_run_compensating(durable):
+    steps = Steps(durable)
+    run_id = durable.start(steps.wf)
+    _set(durable, run_id, status="compensating", due_at=_ago(durable, 1), fence=2)
+    with durable.db.begin() as conn:
+        assert queries.claim_run(durable.db, conn, run_id, 0, "w:1:1") is None  # not a step's claim
+        claimed = queries.claim_run(durable.db, conn, run_id, 0, "w:1:1", compensate=True)
+    assert claimed.id == run_id
+    row = _row(durable, run_id)
+    assert (row.status, row.fence, row.locked_by, row.due_at) == ("compensating", 3, "w:1:1", None)
