@@ -423,3 +423,18 @@ def test_a_compensation_claim_keeps_the_run_compensating(durable):
     assert claimed.id == run_id
     row = _row(durable, run_id)
     assert (row.status, row.fence, row.locked_by, row.due_at) == ("compensating", 3, "w:1:1", None)
+
+
+def test_a_run_due_at_the_claim_s_own_instant_is_claimed():
+    # A Fake's clock stands still: a run started "now" is due at exactly the claim's "now".
+    from durable_celery.testing import Fake
+
+    fake = Fake()
+    try:
+        wf = fake.workflow("instant")
+        wf.step(lambda: "done", name="only")
+        run_id = fake.start(wf)
+        fake.run_until_idle()
+        assert fake.get_run(run_id).status == "completed"
+    finally:
+        fake.close()
