@@ -438,3 +438,14 @@ def test_a_run_due_at_the_claim_s_own_instant_is_claimed():
         assert fake.get_run(run_id).status == "completed"
     finally:
         fake.close()
+
+
+def test_claims_with_and_without_a_timeout_each_keep_their_own_statement(durable):
+    steps = Steps(durable)
+    plain, timed = _runs(durable, steps, 2)
+    _set(durable, timed, deadline_at=None)
+    with durable.db.begin() as conn:  # the claim without a timeout is built (and cached) first
+        assert queries.claim_run(durable.db, conn, plain, 0, "w:1:1").id == plain
+        assert queries.claim_run(durable.db, conn, timed, 0, "w:1:1", timeout=600).id == timed
+    assert _row(durable, plain).deadline_at is None
+    assert _row(durable, timed).deadline_at is not None  # counted from this first claim
