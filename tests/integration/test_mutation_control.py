@@ -57,8 +57,11 @@ def _failed(durable: Any, run_id: str, **values: Any) -> None:
 def test_cancel_records_why_and_refuses_a_finished_run(durable, seen):
     wf = _define(durable)
     run_id = _started(durable, wf, seen, {"n": 1})
+    bystander = durable.start(wf, {"n": 9})  # unkeyed: cancelling run_id leaves it be
+    seen.clear()
     _set(durable, run_id, status="running", locked_by="w:1:1", published=True)  # due, sent, held
     assert durable.cancel(run_id) is True
+    assert durable.get_run(bystander).status == "pending"
     row = _row(durable, run_id)
     assert (row.locked_by, row.due_at, row.published) == (None, None, False)
     assert row.finished_at is not None
