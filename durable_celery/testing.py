@@ -57,6 +57,10 @@ def worker(
     # workers running at once in one process would then drive one hub from two threads (and
     # block on each other's sockets). Each worker started here gets a hub of its own.
     set_event_loop(None)
+    # What this process started before is sent first: the worker's start opens and closes a
+    # broker connection, and kombu's in-memory transport closes its channels by walking a
+    # queue table that a send from the publisher thread could be adding to at that moment.
+    durable.flush(timeout=10)
     if queues:
         options["queues"] = queues
     if WAKE_TASK not in durable.app.tasks:
