@@ -128,7 +128,10 @@ def claim_run(
                 runs.c.step_index == bindparam("p_step"),
                 runs.c.status.in_(statuses),
                 runs.c.locked_by.is_(None),
-                runs.c.due_at <= now,
+                # Not a condition the due index can serve: the run is found by its id. With
+                # statistics that think few runs are due (a history of finished runs, then a
+                # burst of starts), the planner would walk every due run for each claim.
+                (runs.c.due_at <= now).is_(True),
                 ~paused_exists(),  # a step of a paused queue waits for its resume (queues.py)
             )
             .values(
