@@ -18,6 +18,7 @@ from .definition import Step, Workflow
 from .errors import DatabaseUnavailable, DurableError, RunStopped, StepTimeout, WorkerLost
 from .heartbeat import ActiveStep, Heartbeater, stop_reason
 from .keys import settle_waiting_txn, wake_parent_txn
+from .models import aware
 from .queues import queue_of
 from .rollout import definition_changed, known_elsewhere
 from .store import activity_rows, child_rows, event_rows, key_rows, queries
@@ -233,7 +234,8 @@ class Engine:
         )
         outcome = Outcome(error=WorkerLost(f"the process running step {step.name!r} died: {reason}"))
         log.warning("durable: run %s step %s lost its process (%s)", row.id, step.name, reason)
-        started = row.heartbeat_at or self.db.utcnow()  # the claim's time is not kept; its last beat is
+        # The claim's time is not kept; its last beat is (naive from SQLite: made aware).
+        started = aware(row.heartbeat_at) or self.db.utcnow()
         worker = process_node(pid)
         if compensate:
             return self._record_compensation(workflow, step, row, ctx, outcome, started, worker)

@@ -1,0 +1,349 @@
+"""Engine paths the behaviour tests reach only through other processes or other builds, in this
+thread on both backends (mutants of durable_celery/engine.py that nothing ran):
+
+- a step renamed in a new build, met by the engine (the message names the new step at the
+  run's index): ``definition_changed``, or a hand-back when a live node has the old step;
+- a pool process that died mid-step, as the worker that forked it records it (``record_lost``);
+- a graceful shutdown whose grace period ends while a step runs: the run is handed back.
+
+Steps run through ``run_message``, as a worker runs a message; a "dead pool process" is a lock
+written under that process's node name, as its claim wrote it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+
+from durable_celery import current_run, signals
+from durable_celery.engine import process_node
+from durable_celery.models import aware
+from durable_celery.nodes import Node
+from durable_celery.store import queries
+from durable_celery.store.schema import runs
+
+pytestmark = pytest.mark.timeout(60)
+
+DEAD_PID = 4_000_000  # above any pid_max: no live process of this host has it
+
+
+def _row(durable: Any, run_id: str) -> Any:
+    with durable.db.engine.connect() as conn:
+        return conn.execute(select(runs).where(runs.c.id == run_id)).one()
+
+
+def _finished(durable: Any) -> list[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+
+    def note(sender: Any, run_id: str, status: str, **_: Any) -> None:
+        if sender is durable:
+            seen.append((run_id, status))
+
+    signals.run_finished.connect(note, weak=False)
+    return seen
+
+
+# -- a step renamed between builds ------------------------------------------------------------
+
+
+def _builds(make_durable: Any, **settings: Any) -> tuple[Any, Any, dict[str, int]]:
+    """The old build (first, charge) and the new (first, take_payment), on one store."""
+    calls = {"charge": 0, "take_payment": 0, "undo": 0}
+    old = make_durable("old_build", **settings)
+    flow = old.workflow("flow")
+
+    @flow.step(compensate=lambda: calls.__setitem__("undo", calls["undo"] + 1))
+    def first():
+        return 1
+
+    @flow.step
+    def charge():
+        calls["charge"] += 1
+        return "charged"
+
+    new = make_durable("new_build", **settings)
+    renamed = new.workflow("flow")
+    renamed.step(lambda: 1, name="first")
+
+    @renamed.step
+    def take_payment():
+        calls["take_payment"] += 1
+        return "paid"
+
+    return old, new, calls
+
+
+def _at_second_step(old: Any) -> str:
+    run_id = old.start("flow")
+    assert old.run_message("flow", 0, run_id) == "running"
+    row = _row(old, run_id)
+    assert (row.step_index, row.step_name, row.status) == (1, "charge", "running")
+    return run_id
+
+
+def test_a_step_renamed_in_the_new_build_fails_the_run_with_definition_changed(make_durable):
+    old, new, calls = _builds(make_durable)
+    run_id = _at_second_step(old)
+    finished = _finished(new)
+    before = _row(old, run_id)
+
+    assert new.run_message("flow", 1, run_id) == "definition_changed"
+
+    assert calls == {"charge": 0, "take_payment": 0, "undo": 0}  # no step ran, nothing undone
+    run = new.get_run(run_id)
+    assert run.status == "failed" and run.finished_at is not None
+    assert run.error["type"] == "definition_changed"
+    assert run.error["message"] == "workflow 'flow' has no step 'charge' any more; retry once it is back"
+    row = _row(new, run_id)
+    assert row.due_at is None and row.locked_by is None and row.losses == 0
+    assert row.fence == before.fence + 1  # the claim's, and nothing after
+    assert finished == [(run_id, "failed")]
+    steps = new.list_steps(run_id)
+    assert [(s.step_index, s.name, s.attempt, s.status) for s in steps] == [
+        (0, "first", 1, "completed"),
+        (1, "charge", 1, "failed"),
+    ]
+    recorded = steps[-1]
+    assert recorded.error == run.error
+    assert recorded.worker == new.engine.node
+    assert recorded.started_at <= recorded.finished_at
+
+    assert old.retry(run_id) == run_id  # the old step is back: retry resumes it there
+    assert old.run_message("flow", 1, run_id) == "completed"
+    assert old.get_run(run_id).output == "charged" and calls["charge"] == 1
+
+
+def test_a_step_a_live_node_still_has_is_handed_back_to_it_without_an_attempt(make_durable):
+    old, new, calls = _builds(make_durable, missing_code_retry=0.05)
+    run_id = _at_second_step(old)
+    elsewhere = Node(old)  # a live node of the old build, as the database sees one
+    elsewhere.name = f"old-{run_id[:8]}@test"
+    elsewhere.register()
+    before = _row(old, run_id)
+
+    assert new.run_message("flow", 1, run_id) == "deferred"
+
+    row = _row(new, run_id)
+    assert (row.status, row.step_index, row.step_name) == ("running", 1, "charge")
+    assert row.locked_by is None and row.heartbeat_at is None and row.published is False
+    assert row.due_at is not None and row.attempt == before.attempt == 1 and row.error is None
+    assert [s.name for s in new.list_steps(run_id)] == ["first"]  # no attempt recorded
+    missing = new.activity(kinds=["code_missing"], run_id=run_id)
+    assert [(m.details["step"], m.details["retry_in"]) for m in missing] == [("charge", 0.05)]
+    assert calls["take_payment"] == 0
+
+    time.sleep(0.1)  # due again after missing_code_retry
+    assert old.run_message("flow", 1, run_id) == "completed"
+    assert old.get_run(run_id).output == "charged"
+
+
+def test_a_renamed_step_whose_hand_back_finds_the_run_gone_is_dropped(make_durable):
+    old, new, _ = _builds(make_durable, missing_code_retry=0.05)
+    run_id = _at_second_step(old)
+    elsewhere = Node(old)
+    elsewhere.name = f"old-{run_id[:8]}@test"
+    elsewhere.register()
+    original = queries.hand_back_txn
+
+    def cancelled_first(db: Any, conn: Any, rid: str, fence: int, seconds: float) -> bool:
+        conn.execute(update(runs).where(runs.c.id == rid).values(fence=runs.c.fence + 1))
+        return original(db, conn, rid, fence, seconds)
+
+    queries.hand_back_txn = cancelled_first
+    try:
+        assert new.run_message("flow", 1, run_id) == "dropped"
+    finally:
+        queries.hand_back_txn = original
+    assert new.activity(kinds=["code_missing"], run_id=run_id) == []
+
+
+# -- a pool process that died mid-step -----------------------------------------------------------
+
+
+def _lost_flow(durable: Any, retry: int = 1) -> Any:
+    wf = durable.workflow("lossy")
+
+    @wf.step(compensate=lambda: "undone")
+    def first():
+        return 1
+
+    @wf.step(retry=retry)
+    def second():
+        return 2
+
+    @wf.step
+    def third():
+        return 3
+
+    return wf
+
+
+def _claimed_by_dead_process(durable: Any, run_id: str, index: int, compensate: bool = False) -> Any:
+    with durable.db.single() as conn:
+        row = queries.claim_run(
+            durable.db, conn, run_id, index, f"{process_node(DEAD_PID)}:7", None, compensate=compensate
+        )
+    assert row is not None
+    return _row(durable, run_id)
+
+
+def test_a_lost_process_uses_the_attempt_and_the_run_backs_off(durable):
+    wf = _lost_flow(durable, retry=2)
+    run_id = durable.start(wf)
+    assert durable.run_message("lossy", 0, run_id) == "running"
+    claimed = _claimed_by_dead_process(durable, run_id, 1)
+
+    assert durable.engine.record_lost(wf, wf.steps[1], run_id, DEAD_PID, "signal 9 (SIGKILL)") == "retrying"
+
+    row = _row(durable, run_id)
+    assert (row.status, row.step_index, row.attempt) == ("running", 1, 2)
+    assert row.locked_by is None and row.due_at is not None
+    lost = durable.list_steps(run_id)[-1]
+    assert (lost.name, lost.attempt, lost.status) == ("second", 1, "failed")
+    assert lost.worker == process_node(DEAD_PID)
+    assert lost.error["type"] == "WorkerLost"
+    assert lost.error["message"] == "the process running step 'second' died: signal 9 (SIGKILL)"
+    assert lost.started_at == aware(claimed.heartbeat_at)  # the claim's time is its last beat
+
+
+def test_a_lost_process_on_the_last_attempt_fails_the_run_after_compensating(durable):
+    wf = _lost_flow(durable, retry=1)
+    run_id = durable.start(wf)
+    assert durable.run_message("lossy", 0, run_id) == "running"
+    _claimed_by_dead_process(durable, run_id, 1)
+
+    assert durable.engine.record_lost(wf, wf.steps[1], run_id, DEAD_PID, "exit 1") == "compensating"
+    assert durable.get_run(run_id).error["type"] == "WorkerLost"
+
+
+def test_a_lost_process_that_went_on_inline_loses_the_step_it_was_running(durable):
+    wf = _lost_flow(durable, retry=2)
+    run_id = durable.start(wf)
+    assert durable.run_message("lossy", 0, run_id) == "running"
+    _claimed_by_dead_process(durable, run_id, 1)
+
+    # The message was for step 0; the process had gone on to step 1 (inline continuation).
+    assert durable.engine.record_lost(wf, wf.steps[0], run_id, DEAD_PID, "exit 1") == "retrying"
+    assert [(s.name, s.status) for s in durable.list_steps(run_id)] == [
+        ("first", "completed"),
+        ("second", "failed"),
+    ]
+
+
+def test_a_lost_compensation_is_recorded_as_a_compensation(durable):
+    wf = _lost_flow(durable, retry=1)
+    run_id = durable.start(wf)
+    with durable.db.begin() as conn:  # a run compensating step 0 ("first")
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id)
+            .values(status="compensating", step_index=0, step_name="first", due_at=durable.db.utcnow())
+        )
+    _claimed_by_dead_process(durable, run_id, 0, compensate=True)
+
+    status = durable.engine.record_lost(wf, wf.steps[0], run_id, DEAD_PID, "exit 1", compensate=True)
+
+    assert status == "compensating"  # its compensation is tried again (compensate_retry 3)
+    assert _row(durable, run_id).attempt == 2
+    lost = durable.list_steps(run_id)[-1]
+    assert (lost.phase, lost.name, lost.status) == ("compensate", "first", "failed")
+    assert lost.error["type"] == "WorkerLost"
+
+
+@pytest.mark.parametrize("case", ["no-lock", "other-process", "compensation-moved", "finished-step-index"])
+def test_a_lost_process_that_held_nothing_of_the_step_changes_nothing(durable, case):
+    wf = _lost_flow(durable, retry=2)
+    run_id = durable.start(wf)
+    assert durable.run_message("lossy", 0, run_id) == "running"
+    compensate = False
+    step = wf.steps[1]
+    if case == "other-process":
+        with durable.db.single() as conn:
+            queries.claim_run(durable.db, conn, run_id, 1, f"{process_node(os.getpid())}:7", None)
+    elif case == "compensation-moved":  # a compensation message; the process had moved on
+        with durable.db.begin() as conn:
+            conn.execute(
+                update(runs)
+                .where(runs.c.id == run_id)
+                .values(status="compensating", step_index=0, due_at=durable.db.utcnow())
+            )
+        _claimed_by_dead_process(durable, run_id, 0, compensate=True)
+        compensate, step = True, wf.steps[1]
+    elif case == "finished-step-index":  # a lock at an index past the workflow's end
+        _claimed_by_dead_process(durable, run_id, 1)
+        with durable.db.begin() as conn:
+            conn.execute(update(runs).where(runs.c.id == run_id).values(step_index=3))
+        step = wf.steps[0]
+    before = _row(durable, run_id)
+    steps_before = durable.list_steps(run_id)
+
+    status = durable.engine.record_lost(wf, step, run_id, DEAD_PID, "exit 1", compensate=compensate)
+    assert status == "dropped"
+
+    assert _row(durable, run_id) == before
+    assert durable.list_steps(run_id) == steps_before
+
+
+def test_a_lost_process_of_a_waiting_run_moved_on_is_dropped(durable):
+    wf = _lost_flow(durable, retry=2)
+    run_id = durable.start(wf)
+    assert durable.run_message("lossy", 0, run_id) == "running"
+    _claimed_by_dead_process(durable, run_id, 1)
+    with durable.db.begin() as conn:  # the lock a compensating run keeps, at another index
+        conn.execute(update(runs).where(runs.c.id == run_id).values(status="compensating"))
+    before = _row(durable, run_id)
+
+    assert durable.engine.record_lost(wf, wf.steps[0], run_id, DEAD_PID, "exit 1") == "dropped"
+    assert _row(durable, run_id) == before
+
+
+# -- a graceful shutdown -------------------------------------------------------------------------
+
+
+def test_a_step_still_running_when_the_grace_period_ends_is_handed_back(durable):
+    wf = durable.workflow("long")
+    entered, seen = threading.Event(), {}
+
+    @wf.step
+    def slow():
+        seen["shutting_down_at_start"] = current_run().shutting_down()
+        entered.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # a long step, stopped only by the shutdown
+            seen["shutting_down"] = current_run().shutting_down()
+            time.sleep(0.01)
+        return "too late"
+
+    run_id = durable.start(wf)
+    result: dict[str, str] = {}
+    runner = threading.Thread(target=lambda: result.update(status=durable.run_message("long", 0, run_id)))
+    try:
+        runner.start()
+        assert entered.wait(10)
+        engine = durable.engine
+        assert not engine.shutting_down() and not engine.drain_over()
+        engine.drain(0.4)
+        first_deadline = engine._drain_at.value
+        engine.drain(30)  # a second signal keeps the first grace period
+        assert engine._drain_at.value == first_deadline
+        assert engine.shutting_down()
+        runner.join(15)
+        assert not runner.is_alive()
+        assert engine.drain_over()
+    finally:
+        durable.engine.undrain()
+    assert not durable.engine.shutting_down() and not durable.engine.drain_over()
+
+    assert result == {"status": "handed_back"}
+    assert seen == {"shutting_down_at_start": False, "shutting_down": True}
+    row = _row(durable, run_id)
+    assert (row.status, row.attempt, row.step_index) == ("running", 1, 0)
+    assert row.locked_by is None and row.heartbeat_at is None and row.published is False
+    assert row.due_at is not None and aware(row.due_at) <= durable.db.utcnow()
+    assert durable.list_steps(run_id) == []  # no attempt used
+    back = durable.activity(kinds=["handed_back"], run_id=run_id)
+    assert [(b.details["step"], b.details["node"]) for b in back] == [("slow", durable.engine.node)]
