@@ -98,17 +98,10 @@ class Engine:
 
     # -- messages -------------------------------------------------------------------------
 
-    def execute(
-        self,
-        workflow: Workflow,
-        step: Step,
-        run_id: str,
-        node: str | None = None,
-        compensate: bool = False,
-    ) -> str:
+    def execute(self, workflow: Workflow, step: Step, run_id: str, compensate: bool) -> str:
         """Handle one step (or compensation) message; returns what happened ('completed',
         'dropped', 'fenced', ...)."""
-        return self.execute_with_result(workflow, step, run_id, node, compensate).status
+        return self.execute_with_result(workflow, step, run_id, compensate=compensate).status
 
     def execute_with_result(
         self,

@@ -29,6 +29,7 @@ class Activity:
     workflow: str | None
     details: dict[str, Any]
     at: datetime
+    key: str | None = None  # the run's key, on entries about a keyed run
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def list_activity(
         kinds = [kinds]
     with durable.db.engine.connect() as conn:
         rows = activity_rows.list_activity(conn, kinds, run_id, workflow, _check_limit(limit))
-    return [Activity(r.id, r.kind, r.run_id, r.workflow, r.details, aware(r.at) or r.at) for r in rows]
+    return [Activity(r.id, r.kind, r.run_id, r.workflow, r.details, aware(r.at) or r.at, r.key) for r in rows]
 
 
 def list_keys(

@@ -347,3 +347,49 @@ def test_a_step_still_running_when_the_grace_period_ends_is_handed_back(durable)
     assert durable.list_steps(run_id) == []  # no attempt used
     back = durable.activity(kinds=["handed_back"], run_id=run_id)
     assert [(b.details["step"], b.details["node"]) for b in back] == [("slow", durable.engine.node)]
+
+
+# -- compensation and snooze messages -------------------------------------------------------------
+
+
+def test_a_compensation_message_runs_the_compensation_not_the_step(durable):
+    wf = durable.workflow("undo")
+    calls: list[str] = []
+
+    @wf.step(compensate=lambda: calls.append("undo first"))
+    def first():
+        calls.append("first")
+
+    @wf.step
+    def second():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    assert durable.run_message("undo", 0, run_id) == "running"
+    assert durable.run_message("undo", 1, run_id) == "compensating"
+    assert durable.run_message("undo", 0, run_id) == "dropped"  # a step message: not claimable now
+    assert durable.run_message("undo", 0, run_id, compensate=True) == "compensated"
+    assert calls == ["first", "undo first"]
+    assert [(s.phase, s.name) for s in durable.list_steps(run_id)][-1] == ("compensate", "first")
+
+
+def test_a_snooze_is_an_activity_entry_of_the_run_its_workflow_and_key(durable):
+    wf = durable.workflow("napper")
+
+    @wf.step
+    def nap():
+        if len(durable.activity(kinds=["snoozed"], run_id=current_run().id)) < 1:
+            current_run().snooze(0.05, reason="rate limit")
+        return "awake"
+
+    run_id = durable.start(wf, key="nap:1")
+    assert durable.run_message("napper", 0, run_id) == "snoozed"
+    (entry,) = durable.activity(kinds=["snoozed"], run_id=run_id)
+    assert (entry.workflow, entry.key) == ("napper", "nap:1")
+    details = entry.details
+    assert (details["step"], details["seconds"], details["reason"]) == ("nap", 0.05, "rate limit")
+    assert "logs" not in details  # no lines captured
+    row = _row(durable, run_id)
+    assert (row.status, row.attempt, row.locked_by) == ("running", 1, None)
+    time.sleep(0.1)
+    assert durable.run_message("napper", 0, run_id) == "completed"

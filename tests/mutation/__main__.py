@@ -54,6 +54,12 @@ def parse(argv: list[str]) -> RunOptions:
     )
     parser.add_argument("--timeout-constant", type=float, default=20.0, help="seconds (default 20)")
     parser.add_argument("--test-timeout", type=int, default=90, help="pytest-timeout per test, seconds")
+    parser.add_argument(
+        "--backend",
+        choices=["postgres", "sqlite"],
+        help="run the tests of this backend only (half the time; the other backend's own code paths "
+        "then go untested)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for target in TARGETS.values():
@@ -76,6 +82,7 @@ def parse(argv: list[str]) -> RunOptions:
         test_timeout=args.test_timeout,
         log=args.log,
         kept=args.report,
+        backend=args.backend,
     )
 
 

@@ -128,6 +128,9 @@ def toml_list(items: Sequence[str]) -> str:
 def write_config(copy: Path, targets: Sequence[Target], tests: Sequence[str], args: RunOptions) -> None:
     """Append mutmut's settings to the copy's pyproject.toml."""
     pytest_args = ["-p", "tests.mutation.plugin", "-p", "no:cacheprovider", f"--timeout={args.test_timeout}"]
+    if args.backend:
+        other = "sqlite" if args.backend == "postgres" else "postgres"
+        pytest_args += ["-k", f"not {other}"]
     config = f"""
 
 [tool.mutmut]
@@ -234,6 +237,7 @@ class RunOptions:
     test_timeout: int = 90
     log: Path | None = None
     kept: Path | None = None  # report this kept copy again instead of running
+    backend: str | None = None  # only the tests of this backend (by test id)
 
 
 SPINNER = re.compile(r"^[\u2800-\u28ff] ")

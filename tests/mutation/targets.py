@@ -79,6 +79,7 @@ TARGETS = {
                 "tests/integration/test_waits.py",
                 "tests/integration/test_continuation.py",
                 "tests/integration/test_rollout.py",
+                "tests/integration/test_logs.py",
                 *GUARDS,
             ],
             "claim, run, record, retry, compensate",
