@@ -126,19 +126,7 @@ class Engine:
         self, workflow: Workflow, step: Step, row: Any, compensate: bool = False
     ) -> MessageResult:
         """Run a step (or compensation) of a run this worker has claimed, and record it."""
-        ctx = RunContext(
-            id=row.id,
-            workflow=row.workflow,
-            input=dict(row.input),
-            context=dict(row.context),
-            attempt=row.attempt,
-            key=row.key,
-            step=step.name,
-            _active=ActiveStep(self, row.id, row.fence, step.timeout, compensate),
-            _resumed_wait=row.wait_name,
-            _step_index=step.index,
-            _parent_id=row.parent_id,
-        )
+        ctx = _context(row, step, ActiveStep(self, row.id, row.fence, step.timeout, compensate))
         started = self.db.utcnow()
         signals.step_started.send(
             sender=self.durable,
@@ -150,7 +138,7 @@ class Engine:
         if row.step_name is not None and row.step_name != step.name:
             if known_elsewhere(self.durable, row.workflow, row.step_name):  # a rolling deploy
                 return MessageResult(self._code_elsewhere(step, row))
-            changed = DurableError(definition_changed(workflow.name or "", row.step_name)["message"])
+            changed = DurableError(definition_changed(row.workflow, row.step_name)["message"])
             return MessageResult(self._definition_changed(workflow, step, row, ctx, started), changed)
         # -- observability hook (instrument.py): the attempt's span and log capture --------------
         with instrument.observe_step(self.durable, workflow, ctx, row) as observed:
@@ -159,7 +147,7 @@ class Engine:
         outcome.logs = observed.logs
         # -----------------------------------------------------------------------------------------
         if compensate:
-            status = self._record_compensation(workflow, step, row, ctx, outcome, started)
+            status = self._record_compensation(workflow, step, row, outcome, started)
         else:
             status = self._record(workflow, step, row, ctx, outcome, started)
         return MessageResult(status, outcome.error, row.attempt, continuation.take_claimed())
@@ -215,23 +203,14 @@ class Engine:
             if compensate or row.status != "running" or row.step_index >= len(workflow.steps):
                 return "dropped"
             step = workflow.steps[row.step_index]  # a step it went on to inline (continuation.py)
-        ctx = RunContext(
-            id=row.id,
-            workflow=row.workflow,
-            input=dict(row.input),
-            context=dict(row.context),
-            attempt=row.attempt,
-            key=row.key,
-            step=step.name,
-            _active=None,  # type: ignore[arg-type]  # nothing runs: the process is gone
-        )
+        ctx = _context(row, step, None)  # nothing runs: the process is gone
         outcome = Outcome(error=WorkerLost(f"the process running step {step.name!r} died: {reason}"))
         log.warning("durable: run %s step %s lost its process (%s)", row.id, step.name, reason)
         # The claim's time is not kept; its last beat is (naive from SQLite: made aware).
         started = aware(row.heartbeat_at) or self.db.utcnow()
         worker = process_node(pid)
         if compensate:
-            return self._record_compensation(workflow, step, row, ctx, outcome, started, worker)
+            return self._record_compensation(workflow, step, row, outcome, started, worker)
         return self._record(workflow, step, row, ctx, outcome, started, worker)
 
     # -- results --------------------------------------------------------------------------
@@ -453,7 +432,6 @@ class Engine:
         workflow: Workflow,
         step: Step,
         row: Any,
-        ctx: RunContext,
         outcome: Outcome,
         started: Any,
         worker: str | None = None,
@@ -526,7 +504,7 @@ class Engine:
     ) -> str:
         """The run's current step is not this one any more (renamed or removed): fail the run,
         without compensation; ``retry`` resumes it once the step is back."""
-        error = definition_changed(workflow.name or "", row.step_name)
+        error = definition_changed(row.workflow, row.step_name)
         step_row = {
             "step_index": row.step_index,
             "name": row.step_name,
@@ -634,6 +612,23 @@ class Engine:
                 sender=self.durable, run_id=row.id, workflow=workflow.name, step=step.name
             )
         return reason
+
+
+def _context(row: Any, step: Step, active: ActiveStep | None) -> RunContext:
+    """What ``current_run()`` shows a step of the claimed ``row``."""
+    return RunContext(
+        id=row.id,
+        workflow=row.workflow,
+        input=dict(row.input),
+        context=dict(row.context),
+        attempt=row.attempt,
+        key=row.key,
+        step=step.name,
+        _active=active,  # type: ignore[arg-type]  # None: nothing runs (a lost process's step)
+        _resumed_wait=row.wait_name,
+        _step_index=step.index,
+        _parent_id=row.parent_id,
+    )
 
 
 def _with_logs(details: dict[str, Any], logs: list[dict[str, Any]] | None) -> dict[str, Any]:

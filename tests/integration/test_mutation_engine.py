@@ -393,3 +393,156 @@ def test_a_snooze_is_an_activity_entry_of_the_run_its_workflow_and_key(durable):
     assert (row.status, row.attempt, row.locked_by) == ("running", 1, None)
     time.sleep(0.1)
     assert durable.run_message("napper", 0, run_id) == "completed"
+
+
+# -- what a step's end meets: a takeover, a cancel, a key, a parent --------------------------------
+
+
+def _take_over(durable: Any, run_id: str, how: str) -> None:
+    """Another worker took the run (its fence moved on), or it was cancelled meanwhile."""
+    values = {"fence": runs.c.fence + 1} if how == "fenced" else {"status": "cancelled"}
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == run_id).values(**values))
+
+
+@pytest.mark.parametrize("how", ["fenced", "cancelled"])
+def test_a_renamed_step_whose_run_was_taken_meanwhile_records_nothing(make_durable, how):
+    old, new, _ = _builds(make_durable)
+    run_id = _at_second_step(old)
+    fenced: list[str] = []
+
+    def taken_now(sender: Any, run_id: str, **_: Any) -> None:
+        if sender is new:
+            _take_over(new, run_id, how)
+
+    def note_fenced(sender: Any, run_id: str, step: str, **_: Any) -> None:
+        if sender is new:
+            fenced.append(step)
+
+    signals.step_started.connect(taken_now, weak=False)
+    signals.worker_fenced.connect(note_fenced, weak=False)
+    try:
+        assert new.run_message("flow", 1, run_id) == how
+    finally:
+        signals.step_started.disconnect(taken_now)
+        signals.worker_fenced.disconnect(note_fenced)
+    assert [s.name for s in new.list_steps(run_id)] == ["first"]
+    entries = new.activity(kinds=["worker_fenced"], run_id=run_id)
+    if how == "fenced":
+        assert new.engine.fenced_count == 1 and fenced == ["take_payment"]
+        assert [(e.details["step"], e.details["node"], e.details["attempt"]) for e in entries] == [
+            ("take_payment", new.engine.node, 1)
+        ]
+        assert (entries[0].workflow, entries[0].key) == ("flow", None)
+    else:
+        assert new.engine.fenced_count == 0 and fenced == [] and entries == []
+
+
+def test_a_renamed_step_frees_its_key_for_the_run_waiting_behind_it(make_durable):
+    old, new, _ = _builds(make_durable)
+    for durable in (old, new):
+        durable.workflows["flow"].on_duplicate = "run_again"
+    run_id = old.start("flow", key="order:1")
+    assert old.run_message("flow", 0, run_id) == "running"
+    again = old.start("flow", key="order:1")  # waits behind the holder
+    assert again != run_id and old.get_run(again).status == "waiting"
+
+    assert new.run_message("flow", 1, run_id) == "definition_changed"
+
+    assert new.get_run(again).status == "pending"  # the key's next holder, due now
+    assert new.run_message("flow", 0, again) == "running"
+
+
+def test_the_code_missing_entry_names_the_workflow(make_durable):
+    old, new, _ = _builds(make_durable, missing_code_retry=0.05)
+    run_id = _at_second_step(old)
+    elsewhere = Node(old)
+    elsewhere.name = f"old-{run_id[:8]}@test"
+    elsewhere.register()
+    assert new.run_message("flow", 1, run_id) == "deferred"
+    (entry,) = new.activity(kinds=["code_missing"], run_id=run_id)
+    assert entry.workflow == "flow"
+
+
+def test_a_lost_process_keeps_the_runs_context_and_names_the_dead_process(durable):
+    wf = durable.workflow("ctx")
+
+    @wf.step(compensate=lambda: None)
+    def first():
+        current_run().context["charged"] = 10
+        return 1
+
+    @wf.step(retry=1)
+    def second():
+        return 2
+
+    run_id = durable.start(wf)
+    assert durable.run_message("ctx", 0, run_id) == "running"
+    _claimed_by_dead_process(durable, run_id, 1)
+    assert durable.engine.record_lost(wf, wf.steps[1], run_id, DEAD_PID, "exit 1") == "compensating"
+    assert _row(durable, run_id).context == {"charged": 10}
+
+    _claimed_by_dead_process(durable, run_id, 0, compensate=True)
+    assert durable.engine.record_lost(wf, wf.steps[0], run_id, DEAD_PID, "exit 1", compensate=True) == (
+        "compensating"
+    )
+    lost = durable.list_steps(run_id)[-1]
+    assert (lost.phase, lost.worker) == ("compensate", process_node(DEAD_PID))
+
+
+def _slow_step(durable: Any, name: str, log: Any = None) -> tuple[Any, threading.Event]:
+    wf = durable.workflow(name)
+    entered = threading.Event()
+
+    @wf.step
+    def slow():
+        if log is not None:
+            log.warning("still busy with %s", current_run().id)
+        entered.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "too late"
+
+    return wf, entered
+
+
+def _drained(durable: Any, run_id: str, name: str, entered: threading.Event, before: Any = None) -> str:
+    result: dict[str, str] = {}
+    runner = threading.Thread(target=lambda: result.update(status=durable.run_message(name, 0, run_id)))
+    runner.start()
+    try:
+        assert entered.wait(10)
+        if before is not None:
+            before()
+        durable.engine.drain(0.05)
+        runner.join(15)
+        assert not runner.is_alive()
+    finally:
+        durable.engine.undrain()
+    return result["status"]
+
+
+def test_a_handed_back_entry_names_the_key_and_keeps_the_lines_logged(make_durable):
+    import logging
+
+    durable = make_durable()
+    log = logging.getLogger("tests.engine.shutdown")
+    wf, entered = _slow_step(durable, "keyed_long", log)
+    run_id = durable.start(wf, key="long:1")
+    assert _drained(durable, run_id, "keyed_long", entered) == "handed_back"
+    (entry,) = durable.activity(kinds=["handed_back"], run_id=run_id)
+    assert (entry.workflow, entry.key) == ("keyed_long", "long:1")
+    assert [r["body"] for r in entry.details["logs"]] == [f"still busy with {run_id}"]
+
+
+@pytest.mark.parametrize("how", ["fenced", "cancelled"])
+def test_a_hand_back_that_finds_the_run_taken_records_nothing(make_durable, how):
+    durable = make_durable(heartbeat_interval=30.0)  # no beat notices first: the hand-back does
+    wf, entered = _slow_step(durable, "taken_long")
+    run_id = durable.start(wf)
+    status = _drained(durable, run_id, "taken_long", entered, lambda: _take_over(durable, run_id, how))
+    assert status == how
+    assert durable.activity(kinds=["handed_back"], run_id=run_id) == []
+    fenced = durable.activity(kinds=["worker_fenced"], run_id=run_id)
+    assert [e.details["step"] for e in fenced] == (["slow"] if how == "fenced" else [])
