@@ -437,8 +437,8 @@ class Engine:
         worker: str | None = None,
     ) -> str:
         """Record one compensation attempt; go on to the one before, retry, or end the run."""
-        if outcome.stopped is not None:
-            return self._stopped(workflow, step, row, outcome.stopped, outcome.logs)
+        if outcome.stopped is not None:  # cancelled or fenced: a shutdown lets compensations end
+            return self._stopped(workflow, step, row, outcome.stopped)
         if outcome.snoozed is not None:
             return self._snooze(workflow, step, row, outcome.snoozed, outcome.logs)
         step_row = {

@@ -546,3 +546,69 @@ def test_a_hand_back_that_finds_the_run_taken_records_nothing(make_durable, how)
     assert durable.activity(kinds=["handed_back"], run_id=run_id) == []
     fenced = durable.activity(kinds=["worker_fenced"], run_id=run_id)
     assert [e.details["step"] for e in fenced] == (["slow"] if how == "fenced" else [])
+
+
+# -- compensations and snoozes that meet a takeover ------------------------------------------------
+
+
+def _undo_flow(durable: Any, undo: Any) -> tuple[Any, str]:
+    """A run compensating its first step with ``undo`` (the second step failed)."""
+    wf = durable.workflow("undoing")
+    wf.step(lambda: 1, name="first", compensate=undo)
+
+    @wf.step
+    def second():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    assert durable.run_message("undoing", 0, run_id) == "running"
+    assert durable.run_message("undoing", 1, run_id) == "compensating"
+    return wf, run_id
+
+
+@pytest.mark.parametrize("how", ["fenced", "cancelled"])
+def test_a_compensation_stopped_by_a_takeover_records_nothing(durable, how):
+    def undo():
+        _take_over(durable, current_run().id, how)
+        current_run().heartbeat()  # raises: the run is not this worker's any more
+
+    _, run_id = _undo_flow(durable, undo)
+    assert durable.run_message("undoing", 0, run_id, compensate=True) == how
+    assert [s.phase for s in durable.list_steps(run_id)] == ["step", "step"]
+    fenced = durable.activity(kinds=["worker_fenced"], run_id=run_id)
+    assert [e.details["step"] for e in fenced] == (["first"] if how == "fenced" else [])
+
+
+@pytest.mark.parametrize("how", ["fenced", "cancelled"])
+@pytest.mark.parametrize("phase", ["step", "compensation"])
+def test_a_snooze_of_a_run_taken_meanwhile_is_not_handed_back(durable, how, phase):
+    def nap():
+        _take_over(durable, current_run().id, how)
+        current_run().snooze(5, reason="later")
+
+    if phase == "step":
+        wf = durable.workflow("napping")
+        wf.step(nap, name="nap")
+        run_id = durable.start(wf)
+        status = durable.run_message("napping", 0, run_id)
+    else:
+        _, run_id = _undo_flow(durable, nap)
+        status = durable.run_message("undoing", 0, run_id, compensate=True)
+    assert status == how
+    assert durable.activity(kinds=["snoozed"], run_id=run_id) == []
+    row = _row(durable, run_id)
+    held = "running" if phase == "step" else "compensating"
+    assert row.status == ("cancelled" if how == "cancelled" else held)
+    assert row.locked_by is not None  # not handed back: left as the takeover left it
+
+
+@pytest.mark.parametrize(
+    ("returned", "kept"),
+    [({"refund": "r-1"}, {"refund": "r-1"}), (object(), None), (float("nan"), None), ([1.5], [1.5])],
+    ids=["json", "not-json", "nan", "list"],
+)
+def test_a_compensations_value_is_kept_when_json_can_hold_it(durable, returned, kept):
+    _, run_id = _undo_flow(durable, lambda: returned)
+    assert durable.run_message("undoing", 0, run_id, compensate=True) == "compensated"
+    undone = durable.list_steps(run_id)[-1]
+    assert (undone.phase, undone.status, undone.output) == ("compensate", "completed", kept)
