@@ -363,9 +363,8 @@ class Durable:
     ) -> Message:
         step = workflow.steps[step_index]
         queue = workflow.queue_for(step, None)
-        if not soon:
-            return Message(step.task_name, step.name, step_index, run_id, attempt, key, queue, compensate)
-        # Sent from the publisher's thread: what send_task would read from this one goes along.
+        # What send_task would read from this thread: the task sending it (Flower's parent and
+        # root), and for the publisher's thread, the caller's OpenTelemetry context.
         parent = self.app.current_worker_task
         request = parent.request if parent is not None else None
         return Message(
@@ -379,7 +378,7 @@ class Durable:
             compensate,
             parent_id=request.id if request is not None else None,
             root_id=(request.root_id or request.id) if request is not None else None,
-            context=tracing.caller_context(),
+            context=tracing.caller_context() if soon else None,
         )
 
     def _flag_unsent(self, run_ids: Sequence[str]) -> None:

@@ -34,7 +34,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery, signals
@@ -93,7 +93,15 @@ class Route:
     time_limit: Any
     soft_time_limit: Any
     sent_event: bool
-    declared: bool = False  # sent once on the held connection (which declared the queue)
+
+
+@dataclass
+class Held:
+    """A producer one thread holds for its sends, and what it declared."""
+
+    producer: Any
+    pid: int
+    declared: set[tuple[str, str | None]] = field(default_factory=set)
 
 
 class Publisher:
@@ -136,13 +144,23 @@ class Publisher:
         # The producer of background sends, one connection held; used under _send_lock only.
         self._send_lock = threading.Lock()
         self._producer: Any = None
+        self._declared: set[tuple[str, str | None]] = set()  # queues declared on that connection
         self._redis = False
         self._routes: dict[tuple[str, str | None], Route] = {}  # per step task and queue
+        # Producers of sends made now (a worker's next step, retries, the relay), one per thread.
+        self._local = threading.local()
 
     # -- sending ------------------------------------------------------------------------------
 
     def send_now(self, message: Message) -> bool:
-        """Send one message with the retry policy; on failure flag its run and return False."""
+        """Send one message now, on a producer this thread holds; if the broker refuses, again
+        through ``app.send_task`` with the retry policy; on failure flag its run and return False."""
+        try:
+            held = self._thread_producer()
+            self._emit(message, held.producer, held.declared)
+            return True
+        except Exception:  # a broken connection: the retrying send below makes a new one
+            self._local.held = None
         try:
             self._send_task(message)
             return True
@@ -258,11 +276,11 @@ class Publisher:
             try:
                 producer = self._held_producer()
                 if len(batch) == 1:
-                    self._emit(batch[0], producer)
+                    self._emit(batch[0], producer, self._declared)
                 else:
                     with producer.batch(max_size=BATCH):
                         for message in batch:
-                            self._emit(message, producer)
+                            self._emit(message, producer, self._declared)
                 if self._failing:
                     self._failing = False
                     log.warning("durable: publishing works again")
@@ -279,13 +297,25 @@ class Publisher:
 
     def _held_producer(self) -> Any:
         if self._producer is None:
-            connection = self.app.connection_for_write()
-            self._producer = self.app.amqp.Producer(connection, auto_declare=False)
-            self._redis = connection.transport.driver_type == "redis"
-            if self._redis:
-                _hold_redis_client(self._producer.channel)
-            self._routes = {}
+            self._producer = self._new_producer()
+            self._declared = set()
         return self._producer
+
+    def _new_producer(self) -> Any:
+        """A producer on a connection of its own, its Redis client reused (``_hold_redis_client``)."""
+        connection = self.app.connection_for_write()
+        producer = self.app.amqp.Producer(connection, auto_declare=False)
+        self._redis = connection.transport.driver_type == "redis"
+        if self._redis:
+            _hold_redis_client(producer.channel)
+        return producer
+
+    def _thread_producer(self) -> Held:
+        """This thread's producer for sends made now (made on first use, and anew in a fork)."""
+        held: Held | None = getattr(self._local, "held", None)
+        if held is None or held.pid != os.getpid():
+            held = self._local.held = Held(self._new_producer(), os.getpid())
+        return held
 
     def _drop_producer(self) -> None:
         producer, self._producer = self._producer, None
@@ -309,7 +339,7 @@ class Publisher:
             **options,
         )
 
-    def _emit(self, message: Message, producer: Any) -> None:
+    def _emit(self, message: Message, producer: Any, declared: set[tuple[str, str | None]]) -> None:
         """What ``app.send_task`` does, on the held producer, with the routing of the step's
         task worked out once (``_route``): Celery builds the message (``create_task_message``,
         the app's task protocol) and sends it (``send_task_message``: the publish signals,
@@ -317,7 +347,7 @@ class Publisher:
         amqp = self.app.amqp
         route = self._route(message.task_name, message.queue)
         options = dict(route.options)
-        if self._redis and route.declared:
+        if self._redis and (message.task_name, message.queue) in declared:
             options["declare"] = []  # a Redis queue needs declaring once per connection
         built = amqp.create_task_message(
             uuid(),
@@ -338,7 +368,7 @@ class Publisher:
         )
         with tracing.attached(message.context):
             amqp.send_task_message(producer, message.task_name, built, retry=False, **options)
-        route.declared = True
+        declared.add((message.task_name, message.queue))
 
     def _route(self, task_name: str, queue: str | None) -> Route:
         """How messages of a step task reach ``queue``: the task's options and the app's routes

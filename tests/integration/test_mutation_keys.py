@@ -444,4 +444,3 @@ def test_use_existing_answers_from_the_holder_of_its_own_workflow(durable, seen)
         (holder_a, "wf_a"),
         (holder_b, "wf_b"),
     ]
-

@@ -195,3 +195,51 @@ def test_a_forked_child_sends_its_own_messages_and_never_its_parents(pg_url, red
     sent = sent_run_ids(redis_client, queue)
     assert sorted(sent) == sorted(started)  # every one, none twice
     redis_client.delete(queue)
+
+
+def test_a_send_made_now_survives_its_threads_broken_connection(pg_url, redis_client):
+    queue = queue_name()
+    durable = make(pg_url, REDIS_URL, queue, publish_in_background=False)
+    first = durable.start("ship", {"order": 1})  # sent now, on a producer this thread holds
+    held = durable.publisher._thread_producer()
+
+    def broken(*args, **kwargs):
+        raise ConnectionResetError("the broker dropped this connection")
+
+    held.producer.publish = broken
+    second = durable.start("ship", {"order": 2})  # sent again through send_task's retries
+    third = durable.start("ship", {"order": 3})
+    assert sorted(sent_run_ids(redis_client, queue)) == sorted([first, second, third])  # each once
+    assert published_flags(durable, [first, second, third]) == [True] * 3
+    assert durable.publisher._thread_producer() is not held  # a new one replaced it
+    redis_client.delete(queue)
+    durable.db.dispose()
+
+
+def test_a_next_step_sent_by_a_worker_names_the_task_that_sent_it(pg_url, redis_client):
+    from celery.signals import before_task_publish
+
+    queue = queue_name()
+    durable = make(pg_url, REDIS_URL, queue, inline_steps=0)
+    two = durable.workflow("two")
+    two.step(lambda: 1, name="one")
+    two.step(lambda: 2, name="two")
+    sent: list[dict] = []
+
+    def note(sender=None, headers=None, **_):
+        if sender and sender.startswith("durable.two."):
+            sent.append(dict(headers))
+
+    before_task_publish.connect(note, weak=False)
+    try:
+        with worker(durable, queues=[queue]):
+            run_id = durable.start(two)
+            assert wait_for(durable, run_id).status == "completed"
+    finally:
+        before_task_publish.disconnect(note)
+    first, second = sent
+    assert (first["task"], second["task"]) == ("durable.two.one", "durable.two.two")
+    assert second["parent_id"] == first["id"]  # Flower links the step to the one that sent it
+    assert second["root_id"] == first["id"]
+    redis_client.delete(queue)
+    durable.db.dispose()
