@@ -384,20 +384,27 @@ STATEMENT_NAME = re.compile(r'(db\.(?:statement|bind)\()(None|"[^"]*")(,)')
 RENAMED = Equivalent(
     "*", "statement cache name", "the name only keys the compiled-statement cache", (), (), "*"
 )
+# ``.cte("name")``: SQLAlchemy renders every reference to a CTE from the object, so its name
+# only has to differ from the statement's other names, which a mutant's "XX...XX", upper case or
+# None (an anonymous name SQLAlchemy makes unique) always does.
+CTE_NAME = re.compile(r'(\.cte\()(None|"[^"]*")(\))')
+CTE_RENAMED = Equivalent("*", "CTE name", "a CTE is referred to by object, not by its name", (), (), "*")
 
 
-def renames_a_statement(removed: tuple[str, ...], added: tuple[str, ...]) -> bool:
-    """Does the mutant only rename a statement in the cache (see STATEMENT_NAME)?"""
+def renames(pattern: re.Pattern[str], removed: tuple[str, ...], added: tuple[str, ...]) -> bool:
+    """Does the mutant only change the name ``pattern`` captures (a statement's, a CTE's)?"""
     if len(removed) != 1 or len(added) != 1 or removed == added:
         return False
-    before, after = (STATEMENT_NAME.sub(r"\1NAME\3", line) for line in (removed[0], added[0]))
-    return before == after and STATEMENT_NAME.search(removed[0]) is not None
+    before, after = (pattern.sub(r"\1NAME\3", line) for line in (removed[0], added[0]))
+    return before == after and pattern.search(removed[0]) is not None
 
 
 def match_equivalent(equivalents: Sequence[Equivalent], path: str, name: str, diff: str) -> Equivalent | None:
     removed, added = changed_lines(diff)
-    if renames_a_statement(removed, added):
+    if renames(STATEMENT_NAME, removed, added):
         return RENAMED
+    if renames(CTE_NAME, removed, added):
+        return CTE_RENAMED
     for entry in equivalents:
         if entry.covers(path, name, removed, added):
             return entry
