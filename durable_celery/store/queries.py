@@ -179,13 +179,16 @@ _INSERT_STEP = insert(steps)
 
 
 def _held_run_update(set_values: dict[str, Any]) -> Any:
-    """An UPDATE of the run a worker holds, matching only under the fence it claimed with."""
+    """An UPDATE of the run a worker holds, matching only under the fence it claimed with and
+    while it is locked: a write tried again after its first try committed unanswered (an
+    outage) matches nothing, and the worker finds its step row instead (engine._write)."""
     return (
         update(runs)
         .where(
             runs.c.id == bindparam("p_id"),
             runs.c.fence == bindparam("p_fence"),
             runs.c.status.in_(HELD),
+            runs.c.locked_by.is_not(None),
         )
         .values(**set_values)
     )

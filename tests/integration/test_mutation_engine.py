@@ -612,3 +612,128 @@ def test_a_compensations_value_is_kept_when_json_can_hold_it(durable, returned, 
     assert durable.run_message("undoing", 0, run_id, compensate=True) == "compensated"
     undone = durable.list_steps(run_id)[-1]
     assert (undone.phase, undone.status, undone.output) == ("compensate", "completed", kept)
+
+
+# -- a write whose answer an outage lost ------------------------------------------------------------
+
+
+def _answer_lost_once(monkeypatch: Any, durable: Any, commit: bool) -> list[int]:
+    """The engine's next write fails with an outage once: after committing (its answer lost on
+    the way back) or before."""
+    from durable_celery import DatabaseUnavailable
+
+    real = type(durable.engine)._write_once
+    failed: list[int] = []
+
+    def write_once(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(1)
+            if commit:
+                real(engine, *args, **kwargs)
+            raise DatabaseUnavailable("postgresql://db", "connection lost")
+        return real(engine, *args, **kwargs)
+
+    monkeypatch.setattr(type(durable.engine), "_write_once", write_once)
+    return failed
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["committed", "not-committed"])
+def test_a_write_an_outage_interrupted_is_recorded_once(durable, monkeypatch, commit):
+    wf = durable.workflow("outage")
+    wf.step(lambda: 1, name="first")
+    wf.step(lambda: 2, name="second")
+    run_id = durable.start(wf)
+    failed = _answer_lost_once(monkeypatch, durable, commit)
+
+    assert durable.run_message("outage", 0, run_id) == "running"
+
+    assert failed == [1]
+    steps = durable.list_steps(run_id)
+    assert [(s.name, s.attempt, s.status, s.worker) for s in steps] == [
+        ("first", 1, "completed", durable.engine.node)
+    ]
+    row = _row(durable, run_id)
+    assert (row.step_index, row.status, row.locked_by, row.published) == (1, "running", None, True)
+    assert durable.run_message("outage", 1, run_id) == "completed"
+
+
+def test_a_write_an_outage_interrupted_meets_a_takeover_and_records_nothing(durable, monkeypatch):
+    wf = durable.workflow("outage_taken")
+    wf.step(lambda: 1, name="first")
+    run_id = durable.start(wf)
+    from durable_celery import DatabaseUnavailable
+
+    real = type(durable.engine)._write_once
+    failed: list[int] = []
+
+    def write_once(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(1)
+            _take_over(durable, run_id, "fenced")  # while the database was away
+            raise DatabaseUnavailable("postgresql://db", "connection lost")
+        return real(engine, *args, **kwargs)
+
+    monkeypatch.setattr(type(durable.engine), "_write_once", write_once)
+    assert durable.run_message("outage_taken", 0, run_id) == "fenced"
+    assert durable.list_steps(run_id) == []
+
+
+def test_a_compensation_an_outage_interrupted_is_recorded_once(durable, monkeypatch):
+    _, run_id = _undo_flow(durable, lambda: "refunded")
+    _answer_lost_once(monkeypatch, durable, commit=True)
+    assert durable.run_message("undoing", 0, run_id, compensate=True) == "compensated"
+    undone = [s for s in durable.list_steps(run_id) if s.phase == "compensate"]
+    assert [(s.name, s.attempt, s.output) for s in undone] == [("first", 1, "refunded")]
+
+
+def test_compensations_run_back_to_front_each_sent_on_its_queue(durable):
+    wf = durable.workflow("undo_chain")
+    done: list[str] = []
+    wf.step(lambda: 1, name="a", compensate=lambda: done.append("undo a") or "a undone")
+    wf.step(lambda: 2, name="b", compensate=lambda: done.append("undo b") or "b undone")
+
+    @wf.step
+    def c():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    for index in range(2):
+        assert durable.run_message("undo_chain", index, run_id) == "running"
+    assert durable.run_message("undo_chain", 2, run_id) == "compensating"
+
+    assert durable.run_message("undo_chain", 1, run_id, compensate=True) == "compensating"
+    row = _row(durable, run_id)
+    assert (row.status, row.step_index, row.step_name) == ("compensating", 0, "a")
+    assert (row.attempt, row.losses) == (1, 0)
+    assert row.queue == durable.app.conf.task_default_queue and row.published is True
+    assert row.due_at is not None and row.locked_by is None
+
+    assert durable.run_message("undo_chain", 0, run_id, compensate=True) == "compensated"
+    row = _row(durable, run_id)
+    assert (row.status, row.losses, row.due_at, row.locked_by) == ("compensated", 0, None, None)
+    assert done == ["undo b", "undo a"]
+    undone = [s for s in durable.list_steps(run_id) if s.phase == "compensate"]
+    assert [(s.name, s.output, s.worker) for s in undone] == [
+        ("b", "b undone", durable.engine.node),
+        ("a", "a undone", durable.engine.node),
+    ]
+
+
+def test_a_compensation_that_snoozes_keeps_its_lines_on_the_entry(durable):
+    import logging
+
+    log = logging.getLogger("tests.engine.undo")
+
+    def undo():
+        if not durable.activity(kinds=["snoozed"], run_id=current_run().id):
+            log.warning("refund API busy")
+            current_run().snooze(0.05, reason="busy")
+        return "refunded"
+
+    _, run_id = _undo_flow(durable, undo)
+    assert durable.run_message("undoing", 0, run_id, compensate=True) == "snoozed"
+    (entry,) = durable.activity(kinds=["snoozed"], run_id=run_id)
+    assert [r["body"] for r in entry.details["logs"]] == ["refund API busy"]
+    assert entry.workflow == "undoing"
+    time.sleep(0.1)
+    assert durable.run_message("undoing", 0, run_id, compensate=True) == "compensated"
