@@ -95,7 +95,9 @@ def start_or_answer(
             .cte("created")
         )
         # Read in the statement's snapshot: a key taken by a start that committed after it
-        # began is not seen here, and the caller decides under locks.
+        # began is not seen here, and the caller decides under locks. The key row ``taken``
+        # inserts is not seen here either (a statement's CTEs share one snapshot): the holder is
+        # found only when there was one before, and then ``taken`` inserted nothing.
         holder = (
             select(keys.c.holder_id, runs.c.status, (runs.c.input == set_values["input"]).label("same"))
             .join(runs, runs.c.id == keys.c.holder_id)
@@ -103,7 +105,6 @@ def start_or_answer(
                 keys.c.workflow == wf,
                 keys.c.key == k,
                 runs.c.status.in_([constant(status) for status in UNFINISHED]),
-                ~select(taken.c.holder_id).exists(),
             )
             .cte("holder")
         )
