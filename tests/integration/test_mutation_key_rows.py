@@ -128,3 +128,35 @@ def test_a_run_waits_behind_its_own_key_only(durable):
     waiting = durable.start(wf, {"n": 1}, key="k")
     waits = {k.key: k.waiting_id for k in durable.list_keys("waits")}
     assert waits == {"k": waiting, "k2": None}
+
+
+def _statements(durable: Any) -> list[str]:
+    from sqlalchemy import event
+
+    seen: list[str] = []
+
+    @event.listens_for(durable.db.engine, "before_cursor_execute")
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement.split(None, 1)[0].upper())
+
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+@pytest.mark.parametrize("policy", ["use_existing", "error", "run_again"])
+def test_a_start_of_a_new_key_is_one_statement_on_postgresql(durable, policy):
+    """The key row and the run in one autocommit statement, whatever the policy; a duplicate
+    under use_existing is answered in one statement too (start_or_answer, insert_run_with_key)."""
+    wf = durable.workflow(f"one_{policy}", on_duplicate=policy)
+    wf.step(lambda: None, name="only")
+    durable.start(wf, key="warm")  # the pool's first connection and its setup are not counted
+    statements = _statements(durable)
+    holder = durable.start(wf, key="new")
+    assert len(statements) == 1, statements
+    assert durable.get_run(holder).status == "pending"
+    if policy == "use_existing":
+        statements.clear()
+        assert durable.start(wf, key="new") == holder
+        assert len(statements) == 1, statements
+        (entry,) = durable.activity(kinds=["key_duplicate"], run_id=holder)
+        assert entry.details["outcome"] == "use_existing"
