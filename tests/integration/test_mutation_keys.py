@@ -444,3 +444,12 @@ def test_use_existing_answers_from_the_holder_of_its_own_workflow(durable, seen)
         (holder_a, "wf_a"),
         (holder_b, "wf_b"),
     ]
+
+
+def test_debounce_folds_a_start_made_in_the_callers_transaction_too(durable, seen):
+    wf = _define(durable, debounce={"period": 30})
+    holder = durable.start(wf, {"n": 1}, key="k")
+    with durable.db.engine.connect() as conn, conn.begin():
+        assert durable.start(wf, {"n": 2}, key="k", connection=conn) == holder
+    assert _row(durable, holder).input == {"n": 2}
+    assert _only(durable, "key_duplicate").details["outcome"] == "debounced"
