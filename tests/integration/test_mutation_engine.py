@@ -679,7 +679,11 @@ def test_a_write_an_outage_interrupted_meets_a_takeover_and_records_nothing(dura
 
 
 def test_a_compensation_an_outage_interrupted_is_recorded_once(durable, monkeypatch):
+    from durable_celery.store.schema import steps
+
     _, run_id = _undo_flow(durable, lambda: "refunded")
+    with durable.db.begin() as conn:  # the steps ran on another node: only the compensation's row is ours
+        conn.execute(update(steps).where(steps.c.run_id == run_id).values(worker="elsewhere:1"))
     _answer_lost_once(monkeypatch, durable, commit=True)
     assert durable.run_message("undoing", 0, run_id, compensate=True) == "compensated"
     undone = [s for s in durable.list_steps(run_id) if s.phase == "compensate"]
