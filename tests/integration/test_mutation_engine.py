@@ -741,3 +741,43 @@ def test_a_compensation_that_snoozes_keeps_its_lines_on_the_entry(durable):
     assert entry.workflow == "undoing"
     time.sleep(0.1)
     assert durable.run_message("undoing", 0, run_id, compensate=True) == "compensated"
+
+
+def test_a_failing_compensation_is_retried_then_ends_the_run_compensation_failed(durable):
+    wf = durable.workflow("undo_fails")
+
+    def undo():
+        raise RuntimeError("refund refused")
+
+    wf.step(lambda: 1, name="first", compensate=undo, compensate_retry=2)
+
+    @wf.step
+    def second():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    assert durable.run_message("undo_fails", 0, run_id) == "running"
+    assert durable.run_message("undo_fails", 1, run_id) == "compensating"
+    _set_losses = update(runs).where(runs.c.id == run_id).values(losses=2)  # lost twice before
+    with durable.db.begin() as conn:
+        conn.execute(_set_losses)
+
+    assert durable.run_message("undo_fails", 0, run_id, compensate=True) == "compensating"
+    row = _row(durable, run_id)
+    assert (row.status, row.attempt, row.losses, row.published, row.locked_by) == (
+        "compensating",
+        2,
+        0,
+        False,
+        None,
+    )
+    assert row.due_at is not None
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == run_id).values(due_at=durable.db.utcnow(), losses=2))
+
+    assert durable.run_message("undo_fails", 0, run_id, compensate=True) == "compensation_failed"
+    row = _row(durable, run_id)
+    assert (row.status, row.losses, row.due_at, row.locked_by) == ("compensation_failed", 0, None, None)
+    assert row.finished_at is not None
+    undone = [(s.attempt, s.status) for s in durable.list_steps(run_id) if s.phase == "compensate"]
+    assert undone == [(1, "failed"), (2, "failed")]
