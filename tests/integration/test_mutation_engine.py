@@ -781,3 +781,37 @@ def test_a_failing_compensation_is_retried_then_ends_the_run_compensation_failed
     assert row.finished_at is not None
     undone = [(s.attempt, s.status) for s in durable.list_steps(run_id) if s.phase == "compensate"]
     assert undone == [(1, "failed"), (2, "failed")]
+
+
+@pytest.mark.parametrize("how", ["fenced", "cancelled"])
+def test_a_compensation_that_ends_after_a_takeover_records_nothing(durable, how):
+    def undo():
+        _take_over(durable, current_run().id, how)  # without a heartbeat to notice it
+        return "refunded"
+
+    _, run_id = _undo_flow(durable, undo)
+    assert durable.run_message("undoing", 0, run_id, compensate=True) == how
+    assert [s.phase for s in durable.list_steps(run_id)] == ["step", "step"]
+    fenced = durable.activity(kinds=["worker_fenced"], run_id=run_id)
+    assert [e.details["step"] for e in fenced] == (["first"] if how == "fenced" else [])
+
+
+def test_a_compensated_run_hands_its_key_to_the_run_waiting_behind_it(durable):
+    wf = durable.workflow("undo_keyed", on_duplicate="run_again")
+    wf.step(lambda: 1, name="first", compensate=lambda: "undone")
+
+    @wf.step
+    def second():
+        raise ValueError("declined")
+
+    holder = durable.start(wf, key="order:7")
+    assert durable.run_message("undo_keyed", 0, holder) == "running"
+    behind = durable.start(wf, key="order:7")  # behind a started holder: waits for its end
+    assert behind != holder and durable.get_run(behind).status == "waiting"
+    assert durable.run_message("undo_keyed", 1, holder) == "compensating"
+    assert durable.get_run(behind).status == "waiting"  # the holder has not ended yet
+
+    assert durable.run_message("undo_keyed", 0, holder, compensate=True) == "compensated"
+    assert durable.get_run(behind).status == "pending"
+    (handed,) = durable.activity(kinds=["key_handed_off"], run_id=behind)
+    assert (handed.details["from"], handed.details["from_status"]) == (holder, "compensated")
