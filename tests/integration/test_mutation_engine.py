@@ -815,3 +815,52 @@ def test_a_compensated_run_hands_its_key_to_the_run_waiting_behind_it(durable):
     assert durable.get_run(behind).status == "pending"
     (handed,) = durable.activity(kinds=["key_handed_off"], run_id=behind)
     assert (handed.details["from"], handed.details["from_status"]) == (holder, "compensated")
+
+
+def test_each_fenced_worker_is_counted_signalled_and_logged_with_the_runs_key(durable):
+    wf = durable.workflow("fenced_twice")
+
+    @wf.step
+    def only():
+        _take_over(durable, current_run().id, "fenced")
+        return "too late"
+
+    signalled: list[tuple[str, str, str]] = []
+
+    def note(sender: Any, run_id: str, workflow: str, step: str, **_: Any) -> None:
+        if sender is durable:
+            signalled.append((run_id, workflow, step))
+
+    signals.worker_fenced.connect(note, weak=False)
+    try:
+        first = durable.start(wf, key="k:1")
+        second = durable.start(wf, key="k:2")
+        assert durable.run_message("fenced_twice", 0, first) == "fenced"
+        assert durable.run_message("fenced_twice", 0, second) == "fenced"
+    finally:
+        signals.worker_fenced.disconnect(note)
+    assert durable.engine.fenced_count == 2
+    assert signalled == [(first, "fenced_twice", "only"), (second, "fenced_twice", "only")]
+    for run_id, key in ((first, "k:1"), (second, "k:2")):
+        (entry,) = durable.activity(kinds=["worker_fenced"], run_id=run_id)
+        assert (entry.workflow, entry.key) == ("fenced_twice", key)
+        assert durable.list_steps(run_id) == []
+
+
+def test_a_failed_attempt_keeps_the_whole_traceback(durable):
+    wf = durable.workflow("traced")
+
+    @wf.step
+    def declines():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    assert durable.run_message("traced", 0, run_id) == "failed"
+    (step,) = durable.list_steps(run_id)
+    error = step.error
+    assert (error["type"], error["message"]) == ("ValueError", "declined")
+    trace = error["traceback"]
+    assert trace.startswith("Traceback (most recent call last):\n  File ")
+    assert trace.endswith("ValueError: declined\n")
+    assert 'raise ValueError("declined")' in trace and "in declines" in trace
+    assert durable.get_run(run_id).error == error
