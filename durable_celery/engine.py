@@ -47,7 +47,7 @@ def error_record(exc: BaseException) -> dict[str, Any]:
     return {
         "type": type(exc).__name__,
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "traceback": "".join(traceback.format_exception(exc)),
     }
 
 
