@@ -864,3 +864,50 @@ def test_a_failed_attempt_keeps_the_whole_traceback(durable):
     assert trace.endswith("ValueError: declined\n")
     assert 'raise ValueError("declined")' in trace and "in declines" in trace
     assert durable.get_run(run_id).error == error
+
+
+# -- a parent parking for a child that finished meanwhile ----------------------------------------
+
+
+def _parent_and_child(durable: Any) -> tuple[Any, Any]:
+    child = durable.workflow("child")
+    child.step(lambda n: n * 10, name="work")
+    parent = durable.workflow("parent")
+
+    @parent.step
+    def gather():
+        return current_run().call_workflow("child", {"n": 4})
+
+    return parent, child
+
+
+def _child_of(durable: Any, parent_id: str) -> str:
+    with durable.db.engine.connect() as conn:
+        return conn.execute(select(runs.c.id).where(runs.c.parent_id == parent_id)).scalar_one()
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["parked", "taken-meanwhile"])
+def test_a_parent_whose_child_finished_before_it_parked_is_due_at_once(durable, monkeypatch, taken):
+    parent, _ = _parent_and_child(durable)
+    run_id = durable.start(parent)
+    real_park = type(durable.engine)._park
+
+    def child_first(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        child_id = _child_of(durable, run_id)
+        assert durable.run_message("child", 0, child_id) == "completed"  # its wake-up finds no waiter
+        if taken:
+            _take_over(durable, run_id, "fenced")
+        return real_park(engine, *args, **kwargs)
+
+    monkeypatch.setattr(type(durable.engine), "_park", child_first)
+    status = durable.run_message("parent", 0, run_id)
+    row = _row(durable, run_id)
+    if taken:  # the park was refused: the run is left as the takeover left it
+        assert status == "fenced"
+        assert (row.status, row.due_at) == ("running", None)  # as the claim left it: not made due
+        return
+    assert status == "waiting"
+    assert row.status == "waiting" and row.due_at is not None  # due again: the child is done
+    monkeypatch.setattr(type(durable.engine), "_park", real_park)
+    assert durable.run_message("parent", 0, run_id) == "completed"
+    assert durable.get_run(run_id).output == 40
