@@ -911,3 +911,38 @@ def test_a_parent_whose_child_finished_before_it_parked_is_due_at_once(durable, 
     monkeypatch.setattr(type(durable.engine), "_park", real_park)
     assert durable.run_message("parent", 0, run_id) == "completed"
     assert durable.get_run(run_id).output == 40
+
+
+@pytest.mark.parametrize(
+    ("returned", "context"),
+    [(object(), {}), (float("nan"), {}), (1, {"at": object()}), (1, {"ratio": float("inf")})],
+    ids=["value", "nan-value", "context", "inf-context"],
+)
+def test_a_value_or_context_json_cannot_hold_fails_the_attempt(durable, returned, context):
+    wf = durable.workflow("unstorable")
+
+    @wf.step
+    def makes():
+        current_run().context.update(context)
+        return returned
+
+    run_id = durable.start(wf)
+    assert durable.run_message("unstorable", 0, run_id) == "failed"
+    (step,) = durable.list_steps(run_id)
+    assert (step.status, step.output, step.error["type"]) == ("failed", None, "TypeError")
+    assert step.error["message"].startswith("a step's return value and context must be JSON: ")
+
+
+def test_a_wait_of_a_run_cancelled_meanwhile_is_not_parked(durable):
+    wf = durable.workflow("cancelled_wait")
+
+    @wf.step
+    def wait():
+        _take_over(durable, current_run().id, "cancelled")
+        return current_run().wait_for_event("paid", timeout=60)
+
+    run_id = durable.start(wf)
+    assert durable.run_message("cancelled_wait", 0, run_id) == "cancelled"
+    row = _row(durable, run_id)
+    assert (row.status, row.wait_name) == ("cancelled", None)
+    assert durable.activity(kinds=["worker_fenced"], run_id=run_id) == []
