@@ -243,3 +243,31 @@ def test_a_next_step_sent_by_a_worker_names_the_task_that_sent_it(pg_url, redis_
     assert second["root_id"] == first["id"]
     redis_client.delete(queue)
     durable.db.dispose()
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "publish_in_background=False"])
+def test_a_starts_message_leaves_from_the_publisher_thread_unless_told_otherwise(
+    pg_url, redis_client, background
+):
+    import threading
+
+    from celery.signals import before_task_publish
+
+    queue = queue_name()
+    durable = make(pg_url, REDIS_URL, queue, publish_in_background=background)
+    threads: list[str] = []
+
+    def note(sender=None, **_):
+        if sender == "durable.ship.pack":
+            threads.append(threading.current_thread().name)
+
+    before_task_publish.connect(note, weak=False)
+    try:
+        run_id = durable.start("ship", {"order": 1}, key="k")
+        assert durable.flush(timeout=10)
+    finally:
+        before_task_publish.disconnect(note)
+    assert threads == (["durable-publisher"] if background else [threading.current_thread().name])
+    assert sent_run_ids(redis_client, queue) == [run_id]
+    redis_client.delete(queue)
+    durable.db.dispose()
