@@ -254,7 +254,7 @@ class Engine:
         go_on = continuation.go_on(self, status, run_values)  # claim the next step as well?
         recorded, fence_now = self._write(workflow, row, status, run_values, step_row, go_on)
         if not recorded:
-            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence), node=worker)
         signals.step_finished.send(
             sender=self.durable,
             run_id=row.id,
@@ -485,7 +485,7 @@ class Engine:
         status = run_values.get("status", "compensating")
         recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
         if not recorded:
-            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence), node=worker)
         self._after_write(workflow, row, status, run_values)
         return status
 
@@ -597,15 +597,23 @@ class Engine:
         return "snoozed"
 
     def _stopped(
-        self, workflow: Workflow, step: Step, row: Any, reason: str, logs: list[dict[str, Any]] | None = None
+        self,
+        workflow: Workflow,
+        step: Step,
+        row: Any,
+        reason: str,
+        logs: list[dict[str, Any]] | None = None,
+        node: str | None = None,
     ) -> str:
+        """What a step that may not record comes to; ``node``: whose result was dropped (a
+        dead pool process's, when its worker records the loss: record_lost)."""
         if reason == "shutdown":
             return self._hand_back_for_shutdown(workflow, step, row, logs)
         if reason == "fenced":
             self.fenced_count += 1
             log.warning("durable: run %s step %s was taken over; result dropped", row.id, step.name)
             with self.db.begin() as conn:  # seen on the dashboard's Queues & nodes page
-                details = {"step": step.name, "node": self.node, "attempt": row.attempt}
+                details = {"step": step.name, "node": node or self.node, "attempt": row.attempt}
                 kind = "worker_fenced"
                 activity_rows.record_txn(self.db, conn, kind, row.id, row.workflow, row.key, details)
             signals.worker_fenced.send(

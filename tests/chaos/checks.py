@@ -335,7 +335,9 @@ def check_activity(snap: Snapshot, faults: FaultLog, report: Report) -> None:
         pid = _pid_of(details.get("locked_by") or details.get("node"))
         kind = entry["kind"]
         report.counts[kind] += 1
-        allowed = {"stale_recovered": RERUN_FAULTS, "worker_fenced": NODE_FAULTS, "handed_back": ("term",)}[
+        # A worker_fenced entry may name a killed pool process: its worker recorded the loss
+        # after another path had taken the run back (engine.record_lost).
+        allowed = {"stale_recovered": RERUN_FAULTS, "worker_fenced": RERUN_FAULTS, "handed_back": ("term",)}[
             kind
         ]
         if faults.explaining(pid, entry["at"], kinds=allowed, after=True) is None:

@@ -946,3 +946,24 @@ def test_a_wait_of_a_run_cancelled_meanwhile_is_not_parked(durable):
     row = _row(durable, run_id)
     assert (row.status, row.wait_name) == ("cancelled", None)
     assert durable.activity(kinds=["worker_fenced"], run_id=run_id) == []
+
+
+def test_a_lost_process_whose_run_was_taken_back_meanwhile_names_the_dead_process(durable, monkeypatch):
+    """The worker records a dead pool process's attempt while another path (the stale sweep, a
+    node that saw the process gone) already took the run back: the dropped result is the dead
+    process's, and the entry names it, not the worker recording it."""
+    wf = _lost_flow(durable, retry=2)
+    run_id = durable.start(wf)
+    assert durable.run_message("lossy", 0, run_id) == "running"
+    _claimed_by_dead_process(durable, run_id, 1)
+    real = type(durable.engine)._write
+
+    def taken_first(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        _take_over(durable, run_id, "fenced")
+        return real(engine, *args, **kwargs)
+
+    monkeypatch.setattr(type(durable.engine), "_write", taken_first)
+    assert durable.engine.record_lost(wf, wf.steps[1], run_id, DEAD_PID, "exit 1") == "fenced"
+    (entry,) = durable.activity(kinds=["worker_fenced"], run_id=run_id)
+    assert entry.details["node"] == process_node(DEAD_PID)
+    assert [s.name for s in durable.list_steps(run_id)] == ["first"]
