@@ -573,7 +573,7 @@ class Durable:
         name: str | None = None,
     ) -> dict[str, Any]:
         """An ``app.conf.beat_schedule`` entry whose fires start ``workflow`` with ``key``."""
-        self.require(Capability.SCHEDULES, "beat_entry", "schedules", self._name_of(workflow))
+        self._check_schedule("beat_entry", workflow, key)
         return schedules.beat_entry(self, workflow, schedule, key, input, name)
 
     def schedule(
@@ -585,8 +585,14 @@ class Durable:
         name: str | None = None,
     ) -> Schedule:
         """Create (or redefine) a schedule at run time: a RedBeat entry, or a row DurableScheduler reads."""
-        self.require(Capability.SCHEDULES, "schedule", "schedules", self._name_of(workflow))
+        self._check_schedule("schedule", workflow, key)
         return schedules.create(self, workflow, cron, key, input, name)
+
+    def _check_schedule(self, operation: str, workflow: str | Workflow, key: str | None) -> None:
+        """Unsupported when a schedule, or its key, needs a capability this Durable lacks."""
+        self.require(Capability.SCHEDULES, operation, "schedules", self._name_of(workflow))
+        if key is not None:
+            self.require(Capability.IDEMPOTENCY_KEY, operation, "key", self._name_of(workflow))
 
     @staticmethod
     def _name_of(workflow: str | Workflow) -> str | None:
@@ -604,6 +610,8 @@ class Durable:
         self, name: str, cron: Any = UNSET, *, workflow: Any = UNSET, key: Any = UNSET, input: Any = UNSET
     ) -> Schedule:
         """Change a run-time schedule's timing, workflow, key or input; the next fire uses them."""
+        if key is not UNSET and key is not None:
+            self.require(Capability.IDEMPOTENCY_KEY, "update_schedule", "key", None)
         return schedules.update(self, name, cron, workflow, key, input)
 
     def enable_schedule(self, name: str) -> Schedule:

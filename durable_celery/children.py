@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import IntegrityError
 
 from . import tracing
+from .capabilities import Capability
 from .definition import Workflow, check_input
 from .errors import ChildFailed, InvalidArgument
 from .heartbeat import STOPS, stop_reason
@@ -131,7 +132,10 @@ def _prepare(
 ) -> tuple[Workflow, dict[str, Any]]:
     wf = durable._resolve(workflow)
     data = check_input(input, durable.settings.max_input_bytes)
-    child = durable._new_run(wf, data, wf.derive_key(data, key))
+    child_key = wf.derive_key(data, key)
+    if child_key is not None:
+        durable.require(Capability.IDEMPOTENCY_KEY, "child", "key", wf)
+    child = durable._new_run(wf, data, child_key)
     child.update(parent_id=run.id, parent_ref=ref, context=dict(context or {}))
     return wf, child
 

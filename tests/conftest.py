@@ -199,6 +199,12 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+# The suites of the features the in-memory store must run as the embedded default does
+# (waits, children, compensation, running) also run on it: their ``backend`` fixture takes
+# ``params=EVERY_STORE``.
+EVERY_STORE = ["postgres", "sqlite", "memory"]
+
+
 MakeDurable = Callable[..., Durable]
 
 
@@ -214,8 +220,8 @@ def make_durable(backend: str, request: pytest.FixtureRequest, tmp_path: Any) ->
         url, broker = request.getfixturevalue("pg_url"), REDIS_URL
     else:
         url, broker = f"sqlite:///{tmp_path}/durable.sqlite3", "memory://"
-        if os.environ.get("DURABLE_TEST_SQLITE") == "memory":  # the in-memory store instead
-            url = f"memory://{uuid.uuid4().hex}"
+        if backend == "memory" or os.environ.get("DURABLE_TEST_SQLITE") == "memory":
+            url = f"memory://{uuid.uuid4().hex}"  # the in-memory store (memory://)
 
     def make(name: str = "tests", *, broker_url: str | None = None, **settings: Any) -> Durable:
         if backend == "fake":  # testing.Fake: the memory store, steps run by testing.worker's thread

@@ -8,8 +8,15 @@ import pytest
 
 from durable_celery import InvalidDefinition, current_run
 from durable_celery.testing import wait_for, worker
+from tests.conftest import EVERY_STORE
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(params=EVERY_STORE)
+def backend(request: pytest.FixtureRequest) -> str:
+    """PostgreSQL, the embedded SQLite default, and the in-memory store."""
+    return str(request.param)
 
 
 def test_completed_steps_are_compensated_in_reverse_order(durable):

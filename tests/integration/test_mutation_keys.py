@@ -1,6 +1,6 @@
 """Every key decision's records, exactly: the activity entry, the signals, the messages sent and
 the rows written (mutants of durable_celery/keys.py and store/key_rows.py that the behaviour
-tests let through), on both backends.
+tests let through), on both backends and on testing.Fake.
 
 Holders are put in the status a case needs by writing it directly; the decision reads nothing
 else. Messages are recorded instead of sent, so a wrong step index or attempt in one shows.
@@ -18,9 +18,15 @@ from durable_celery import KeyTaken, SendEvent, signals
 from durable_celery.store import key_rows
 from durable_celery.store.child_rows import CHILDREN_WAIT
 from durable_celery.store.schema import events, keys, runs
-from durable_celery.testing import wait_for, worker
+from durable_celery.testing import Fake, wait_for, worker
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=["postgres", "sqlite", "fake"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each decision's records also hold on testing.Fake, so it cannot drift from them."""
+    return str(request.param)
 
 
 def _define(durable: Any, name: str = "decided", **options: Any) -> Any:
@@ -281,6 +287,8 @@ def test_debounce_folds_a_start_into_the_unclaimed_holder_capped_by_its_timeout(
     assert seen.published == []
     seen.clear()
     _set(durable, holder, published=True)  # as if the relay looked at it: a fold sets it back
+    if isinstance(durable, Fake):
+        durable.advance(1)  # a Fake's clock stands still until it is moved
     assert durable.start(wf, {"n": 2}, key="k") == holder
     row = _row(durable, holder)
     assert row.input == {"n": 2} and row.published is False

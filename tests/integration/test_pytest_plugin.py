@@ -64,7 +64,7 @@ USERS_TESTS = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("load", ["entry point", "-p"])
+@pytest.mark.parametrize("load", ["entry point", "-p", "pytest_plugins"])
 def test_users_tests_get_the_fixtures_and_nothing_is_written_to_their_folder(tmp_path, load):
     (tmp_path / "test_users.py").write_text(USERS_TESTS)
     env = {
@@ -87,10 +87,14 @@ def test_users_tests_get_the_fixtures_and_nothing_is_written_to_their_folder(tmp
     if load == "-p":  # a project that turns plugin autoloading off names it
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         args[3:3] = ["-p", "durable_celery.pytest_plugin"]
+    if load == "pytest_plugins":  # or lists it in its conftest.py
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        (tmp_path / "conftest.py").write_text('pytest_plugins = ["durable_celery.pytest_plugin"]\n')
+    before = sorted(os.listdir(tmp_path))
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "3 passed" in done.stdout
-    assert sorted(os.listdir(tmp_path)) == ["test_users.py"]
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written beside the user's files
 
 
 def test_without_the_plugin_the_fixtures_are_not_there(tmp_path):

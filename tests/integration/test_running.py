@@ -9,8 +9,15 @@ import pytest
 
 from durable_celery import current_run, signals
 from durable_celery.testing import wait_for, worker
+from tests.conftest import EVERY_STORE
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(params=EVERY_STORE)
+def backend(request: pytest.FixtureRequest) -> str:
+    """PostgreSQL, the embedded SQLite default, and the in-memory store."""
+    return str(request.param)
 
 
 def test_three_steps_pass_context_and_record_each_step(durable):

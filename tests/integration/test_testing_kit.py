@@ -22,6 +22,7 @@ from durable_celery import (
     SendEvent,
     Unsupported,
     current_run,
+    durable_workflow,
 )
 from durable_celery.testing import (
     CallingWorkflow,
@@ -234,6 +235,92 @@ def test_unsupported_provide_input_and_schedules():
         no_schedules.beat_entry("w", 60.0, key="k")
 
 
+def test_unsupported_keys_of_children_and_schedules_write_nothing():
+    fake = without(Capability.IDEMPOTENCY_KEY)
+    fake.workflow("kid")(_noop)
+    wf = fake.workflow("parent")
+
+    @wf.step(retry=1)
+    def spawn():
+        current_run().call_workflow("kid", key="child-key")
+
+    run_id = fake.start(wf)
+    fake.run_until_idle()
+    run = fake.get_run(run_id)
+    assert run.status == "failed" and run.error["type"] == "Unsupported"
+    assert run.error["message"] == (
+        "child: key unsupported by this backend (missing IDEMPOTENCY_KEY): run of workflow 'kid'"
+    )
+    assert [r.workflow for r in fake.list_runs()] == ["parent"]  # no child was written
+    with pytest.raises(Unsupported, match=r"schedule: key unsupported .*missing IDEMPOTENCY_KEY.*'kid'"):
+        fake.schedule("kid", "*/5 * * * *", key="k")
+    with pytest.raises(Unsupported, match=r"beat_entry: key unsupported .*missing IDEMPOTENCY_KEY"):
+        fake.beat_entry("kid", 60.0, key="k")
+    assert fake.list_schedules() == []
+    fake.app.conf.beat_scheduler = "durable_celery.beat:DurableScheduler"
+    fake.schedule("kid", "*/5 * * * *", name="unkeyed")  # a schedule without a key is fine
+    with pytest.raises(Unsupported, match=r"update_schedule: key unsupported .*missing IDEMPOTENCY_KEY"):
+        fake.update_schedule("unkeyed", key="k")
+    assert [s.key for s in fake.list_schedules()] == [None]
+
+
+_FORKED = """
+import os, sys
+from celery import Celery
+from durable_celery import Durable, Unsupported
+durable = Durable(Celery("forked", broker="memory://"), "memory://")
+def noop():
+    pass
+durable.workflow("w")(noop)
+durable.start("w")
+child = os.fork()
+if child == 0:
+    try:
+        durable.start("w")
+    except Unsupported as exc:
+        print(exc, flush=True)
+        os._exit(0)
+    os._exit(3)
+_, status = os.waitpid(child, 0)
+print("child exit", os.waitstatus_to_exitcode(status), "runs", len(durable.list_runs()), flush=True)
+"""
+
+
+def test_memory_store_in_a_forked_process_is_unsupported_and_writes_nothing():
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 2, done.stdout + done.stderr[-2000:]
+    assert lines[0].startswith(
+        "worker: a forked process unsupported by this backend (missing MULTI_PROCESS): memory://"
+    )
+    assert lines[1] == "child exit 0 runs 1"  # the parent's store holds only its own run
+
+
+def test_skip_locked_is_never_refused_and_its_absence_is_named_like_every_capability(tmp_path):
+    sqlite = Durable(memory_app(), f"sqlite:///{tmp_path}/file.sqlite3")
+    assert Capability.SKIP_LOCKED not in sqlite.capabilities
+    sqlite.migrate()
+    sqlite.workflow("w")(_noop)
+    with worker(sqlite):  # relays and sweeps still share work: they wait for SQLite's write lock
+        assert wait_for(sqlite, sqlite.start("w", key="k"), timeout=15).status == "completed"
+    for capability in Capability:
+        if capability is Capability.ALL:
+            continue
+        fake = without(capability)
+        with pytest.raises(Unsupported) as raised:
+            fake.require(capability, "operation", "feature", "w")
+        assert str(raised.value) == (
+            f"operation: feature unsupported by this backend (missing {capability.name}): run of workflow 'w'"
+        )
+        fake.require(fake.capabilities, "operation", "feature", "w")  # what it has passes
+
+
 # -- the Fake --------------------------------------------------------------------------------
 
 
@@ -360,6 +447,24 @@ def test_fake_accepts_workflows_of_the_apps_own_durable(pg_url):
     fake.run_until_idle()
     assert fake.get_run(run_id).output == 2
     assert real.list_runs() == []  # nothing reached the real database
+
+
+def test_fake_provides_input_and_runs_workflows_defined_with_durable_workflow():
+    fake = Fake()
+
+    @durable_workflow(name="approval_flow", key="doc:{doc}")
+    def approve(doc):
+        answer = current_run().wait_for_input("approval", timeout=3600)
+        return {"doc": doc, "approved": answer}
+
+    first = fake.start("approval_flow", {"doc": 7})
+    assert fake.start("approval_flow", {"doc": 7}) == first  # its key template holds
+    fake.run_until_idle()
+    assert fake.get_run(first).status == "waiting"
+    fake.provide_input(first, "approval", True)
+    assert fake.run_until_idle() == 1
+    run = fake.get_run(first)
+    assert run.status == "completed" and run.output == {"doc": 7, "approved": True}
 
 
 def test_fake_advance_checks_its_argument_and_run_until_idle_stops_a_workflow_that_never_idles():

@@ -10,8 +10,15 @@ import pytest
 
 from durable_celery import InvalidArgument, current_run
 from durable_celery.testing import wait_for, worker
+from tests.conftest import EVERY_STORE
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(params=EVERY_STORE)
+def backend(request: pytest.FixtureRequest) -> str:
+    """PostgreSQL, the embedded SQLite default, and the in-memory store."""
+    return str(request.param)
 
 
 def test_sleep_parks_the_run_and_resumes_without_redoing_earlier_steps(durable):

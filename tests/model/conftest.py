@@ -20,6 +20,12 @@ def model_settings(request: pytest.FixtureRequest) -> settings:
     return settings.get_profile(name)
 
 
+@pytest.fixture(params=["postgres", "sqlite", "fake"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The model runs against both backends and testing.Fake, so the Fake cannot drift either."""
+    return str(request.param)
+
+
 @pytest.fixture
 def harness(make_durable):
     """A Harness on this test's backend: one Durable per test, tables cleared per example."""
