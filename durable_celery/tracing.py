@@ -38,7 +38,11 @@ def available() -> bool:
 
 
 def _tracer(durable: Durable) -> Any:
+    """The tracer spans are made with, or None while no SDK provider is set: its spans would
+    record nothing and only carry their parent's context, which callers then use as it is."""
     provider = getattr(durable.settings, "tracer_provider", None) or otel_trace.get_tracer_provider()
+    if isinstance(provider, (otel_trace.ProxyTracerProvider, otel_trace.NoOpTracerProvider)):
+        return None
     return provider.get_tracer(TRACER_NAME)
 
 
@@ -101,11 +105,14 @@ def stamp_run(durable: Durable, workflow: Any, run: dict[str, Any]) -> None:
     if otel_trace is None:
         return
     tracer = _tracer(durable)
-    attributes = _attributes(workflow.name, run["id"], run.get("key"))
-    with tracer.start_as_current_span(
-        f"durable.start {workflow.name}", kind=SpanKind.PRODUCER, attributes=attributes
-    ) as span:
-        trace_parent = traceparent_of(span)
+    if tracer is None:  # the run joins the caller's trace, if there is one
+        trace_parent = traceparent_of(otel_trace.get_current_span())
+    else:
+        attributes = _attributes(workflow.name, run["id"], run.get("key"))
+        with tracer.start_as_current_span(
+            f"durable.start {workflow.name}", kind=SpanKind.PRODUCER, attributes=attributes
+        ) as span:
+            trace_parent = traceparent_of(span)
     if trace_parent is not None:
         run["trace_parent"] = trace_parent
 
@@ -120,6 +127,10 @@ def step_span(durable: Durable, ctx: Any, trace_parent: str | None) -> Iterator[
         yield None
         return
     tracer = _tracer(durable)
+    if tracer is None:  # the run's trace is current, as a span of a no-op tracer would leave it
+        with attached(context_of(trace_parent)):
+            yield None
+        return
     attributes = _attributes(ctx.workflow, ctx.id, ctx.key)
     attributes.update({"durable.step": ctx.step, "durable.attempt": ctx.attempt})
     with tracer.start_as_current_span(

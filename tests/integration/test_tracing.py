@@ -129,6 +129,43 @@ def test_no_trace_is_written_without_a_tracer_provider(make_durable):
         assert trace_parent_of(conn, run_id) is None
 
 
+def test_without_a_tracer_provider_a_run_joins_the_callers_propagated_trace(make_durable):
+    """No SDK: no span is made, but a caller's context (e.g. from a request's traceparent
+    header) is the run's trace, and each step's logs carry its trace id."""
+    from opentelemetry import context as otel_context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+    durable = make_durable()
+    wf = durable.workflow("joined")
+
+    @wf.step
+    def only():
+        import logging
+
+        logging.getLogger("joined").warning("inside")
+        return 1
+
+    header = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    token = otel_context.attach(TraceContextTextMapPropagator().extract({"traceparent": header}))
+    try:
+        run_id = durable.start(wf)
+    finally:
+        otel_context.detach(token)
+    untraced = durable.start(wf)
+    with worker(durable):
+        assert wait_for(durable, run_id).status == "completed"
+        assert wait_for(durable, untraced).status == "completed"
+    with durable.db.engine.connect() as conn:
+        from durable_celery.store.observe_rows import trace_parent_of
+
+        assert trace_parent_of(conn, run_id) == header
+        assert trace_parent_of(conn, untraced) is None
+    step = durable.list_steps(run_id)[0]
+    assert [(e["trace_id"], e["body"]) for e in step.logs] == [("0af7651916cd43dd8448eb211c80319c", "inside")]
+    assert durable.list_steps(untraced)[0].logs[0]["trace_id"] is None
+
+
 def test_without_opentelemetry_installed_everything_still_imports_and_runs(tmp_path):
     script = textwrap.dedent(
         """
