@@ -17,4 +17,6 @@ app.conf.task_default_queue = os.environ["CHAOS_QUEUE"]
 app.conf.broker_connection_retry_on_startup = True
 app.conf.worker_prefetch_multiplier = 1
 durable = Durable(app, os.environ["CHAOS_DB"], **json.loads(os.environ["CHAOS_SETTINGS"]))
-define(durable, Ledger(os.environ["CHAOS_DB"], os.environ["CHAOS_WORKER"]))
+ledger = Ledger(os.environ["CHAOS_DB"], os.environ["CHAOS_WORKER"])
+ledger.connect()
+define(durable, ledger)

@@ -266,6 +266,12 @@ class Cluster:
         }
 
     def start(self) -> None:
+        """``launch()``, then wait until every worker is ready."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """The database, Redis, the workers (not waiting for them) and the client."""
         prepare_template(self.pg)
         with psycopg.connect(self.pg.url, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{self.database}" TEMPLATE "{TEMPLATE}"')
@@ -273,6 +279,8 @@ class Cluster:
         for worker in self.workers.values():
             worker.start()
         self.client = self.make_client()
+
+    def wait_ready(self) -> None:
         for worker in self.workers.values():
             worker.wait_ready()
 

@@ -4,6 +4,7 @@ hit, so that every extra step execution can be matched to the fault that caused 
 | kind | what |
 |---|---|
 | ``kill_child`` | SIGKILL to one prefork pool process (preferably one running a step) |
+| ``kill_parent`` | SIGKILL to a prefork worker's main process alone, its pool processes orphaned |
 | ``kill_node`` | SIGKILL to a whole worker (its process group), then a new worker in its place |
 | ``term`` | SIGTERM to a worker (warm shutdown, grace period), then a new one in its place |
 | ``stop`` | SIGSTOP to a worker running a step until another worker took the step over, SIGCONT |
@@ -22,14 +23,24 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from tests.chaos.cluster import Cluster, Worker
+from tests.chaos.cluster import Cluster, Worker, group_pids
 
-NODE_FAULTS = ("kill_node", "term", "stop")  # a step lost this way runs again without using an attempt
+# A step lost this way runs again without using an attempt: the whole worker went.
+NODE_FAULTS = ("kill_node", "kill_parent", "term", "stop")
+ORPHANS_REAPED_AFTER = 0.5  # seconds a killed worker parent's pool processes are left before they are reaped
+# What a fault causes is written within this window around it: a sweep of a lost lock comes
+# ``stale_lock_timeout`` (4 s) + a sweep after the last heartbeat, a fenced result or a hand-back
+# sooner; 15 s leaves room for a starved CPU. A sweep may also come up to 1 s *before* the kill of
+# a pool process that was already starved (docs/reliability.md, "Timing under a starved CPU").
+CAUSED_BEFORE = 1.0
+CAUSED_WITHIN = 15.0
 
 
 @dataclass
 class Fault:
-    """One fault: its kind, the worker and processes it hit, and from when to when (epoch s)."""
+    """One fault: its kind, the worker and processes it hit, and from when to when (epoch s):
+    ``t0`` when it struck, ``t1`` when it was over (the same for a kill; SIGCONT for a stop, the
+    exit for a warm shutdown, the reaping of the orphans for a parent kill)."""
 
     kind: str
     t0: float
@@ -38,14 +49,24 @@ class Fault:
     pids: tuple[int, ...] = ()
     detail: dict[str, object] = field(default_factory=dict)
 
-    def hit(self, pid: int, at: float, run_id: str | None = None, fence: int | None = None) -> bool:
-        """Was an execution in process ``pid`` begun at ``at`` running when this struck? (A
+    def hit(
+        self, pid: int, began: float, done: float | None, run_id: str | None = None, fence: int | None = None
+    ) -> bool:
+        """Was an execution in process ``pid``, begun at ``began`` and done at ``done`` (None:
+        never), in progress while this struck: begun by ``t1`` and not done before ``t0``? (A
         stopped worker's step may write its ledger row only after SIGCONT: it is known by its
-        run and fencing token.)"""
+        run and fencing token.) A fault hits a whole process, so every thread of it."""
         if pid not in self.pids:
             return False
         held = self.detail.get("held")
-        return at <= self.t1 or (isinstance(held, dict) and run_id in held and held[run_id] == fence)
+        if isinstance(held, dict) and run_id in held and held[run_id] == fence:
+            return True
+        return began <= self.t1 and (done is None or done >= self.t0)
+
+    def caused(self, pid: int, at: float) -> bool:
+        """Could an entry naming ``pid`` written at ``at`` (a sweep, a fenced result, a hand-back)
+        come from this fault: from ``CAUSED_BEFORE`` s before it to ``CAUSED_WITHIN`` s after?"""
+        return pid in self.pids and self.t0 - CAUSED_BEFORE <= at <= self.t1 + CAUSED_WITHIN
 
 
 class FaultLog:
@@ -63,21 +84,24 @@ class FaultLog:
     def explaining(
         self,
         pid: int,
-        at: float,
+        began: float,
+        done: float | None,
         run_id: str | None = None,
         fence: int | None = None,
         kinds: tuple[str, ...] | None = None,
-        after: bool = False,
     ) -> Fault | None:
-        """The first fault (of ``kinds``) that hit the execution of ``pid`` begun at ``at``; with
-        ``after``, the first that hit ``pid`` before ``at`` (an entry written because of it)."""
+        """The first fault (of ``kinds``) that hit the execution of ``pid`` begun at ``began`` and
+        done at ``done`` while it was in progress (``Fault.hit``)."""
         with self._lock:
             for fault in self.faults:
-                if kinds is not None and fault.kind not in kinds:
-                    continue
-                if (pid in fault.pids and fault.t0 - 1 <= at) if after else fault.hit(pid, at, run_id, fence):
+                if (kinds is None or fault.kind in kinds) and fault.hit(pid, began, done, run_id, fence):
                     return fault
         return None
+
+    def causing(self, pid: int, at: float, kinds: tuple[str, ...]) -> Fault | None:
+        """The first fault of ``kinds`` that may have caused an entry naming ``pid`` at ``at``."""
+        with self._lock:
+            return next((f for f in self.faults if f.kind in kinds and f.caused(pid, at)), None)
 
     def count(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -141,9 +165,14 @@ def busy_worker(
     return rng.choice(workers)
 
 
-def kill_child(cluster: Cluster, log: FaultLog, rng: random.Random) -> Fault | None:
-    """SIGKILL one pool process of a prefork worker, one running a step if there is one."""
+def kill_child(cluster: Cluster, log: FaultLog, rng: random.Random, wait: float = 0.0) -> Fault | None:
+    """SIGKILL one pool process of a prefork worker, one running a step if there is one (waiting
+    up to ``wait`` s for a prefork worker that is settled, e.g. one just restarted)."""
+    deadline = time.monotonic() + wait
     prefork = [w for w in cluster.workers.values() if w.pool == "prefork" and w.settled()]
+    while not prefork and time.monotonic() < deadline:
+        time.sleep(0.1)
+        prefork = [w for w in cluster.workers.values() if w.pool == "prefork" and w.settled()]
     if not prefork:
         return None
     worker = rng.choice(prefork)
@@ -164,6 +193,24 @@ def kill_node(cluster: Cluster, log: FaultLog, worker: Worker, restart: bool = T
     at = time.time()
     worker.kill()
     fault = log.add(Fault("kill_node", at, at, worker.name, pids))
+    if restart:
+        worker.start()
+    return fault
+
+
+def kill_parent(cluster: Cluster, log: FaultLog, worker: Worker, restart: bool = True) -> Fault:
+    """SIGKILL only a worker's main process (as the OOM killer might), leaving its pool processes
+    orphaned; after ``ORPHANS_REAPED_AFTER`` s kill whatever is left of its process group, as a
+    supervisor would, and start a new worker in its place (not waiting for it)."""
+    pids = tuple(worker.pids())
+    at = time.time()
+    os.kill(worker.pid, signal.SIGKILL)
+    assert worker.proc is not None
+    worker.proc.wait(30)
+    time.sleep(ORPHANS_REAPED_AFTER)
+    orphans = group_pids(worker.pid)  # pool processes still alive (Celery's parent-death signal kills them)
+    worker.kill()
+    fault = log.add(Fault("kill_parent", at, time.time(), worker.name, pids, {"orphans": len(orphans)}))
     if restart:
         worker.start()
     return fault
@@ -234,6 +281,21 @@ def redis_outage(cluster: Cluster, log: FaultLog, down: float = 3.0) -> Fault:
     time.sleep(down)  # the outage itself
     cluster.broker.start()
     return log.add(Fault("redis", at, time.time(), detail={"down": down}))
+
+
+def wait_worked(cluster: Cluster, since: float, seconds: float) -> None:
+    """Wait (the load going on) until every worker has begun a step after ``since``, at most
+    ``seconds``: the outage checks want each worker's own work after it."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with cluster.connect() as conn:
+                query = "SELECT DISTINCT worker FROM chaos_ledger WHERE phase = 'begin' AND at > %s"
+                if {row[0] for row in conn.execute(query, (since,))} >= set(cluster.workers):
+                    return
+        except psycopg.OperationalError:
+            pass
+        time.sleep(0.3)
 
 
 def pg_restart(cluster: Cluster, log: FaultLog, mode: str, down: float = 2.0) -> Fault:

@@ -139,13 +139,13 @@ class Producers:
 class Racers:
     """``processes`` x ``threads`` starts of the same few keys with every ``on_duplicate``
     policy, from other processes (``python -m tests.chaos.racer``), each thread pausing about
-    ``pause`` seconds between starts."""
+    ``pause`` seconds between starts, from ``go()`` until ``stop()`` (``seconds`` at most)."""
 
     def __init__(
         self,
         env: dict[str, str],
         folder: Path,
-        seconds: float,
+        seconds: float = 900.0,
         processes: int = 4,
         threads: int = 8,
         pause: float = 0.25,
@@ -162,12 +162,12 @@ class Racers:
             cmd += [
                 "--threads",
                 str(self.threads),
-                "--go",
-                str(self.folder / "go"),
+                "--pause",
+                str(self.pause),
                 "--seconds",
                 str(self.seconds),
             ]
-            cmd += ["--pause", str(self.pause)]
+            cmd += ["--go", str(self.folder / "go"), "--stop", str(self.folder / "stop")]
             with open(self._log(n), "w") as log:
                 proc = subprocess.Popen(cmd, cwd=root, env=self.env, stdout=log, stderr=subprocess.STDOUT)
             self.procs.append(proc)
@@ -204,9 +204,11 @@ class Racers:
         return starts
 
     def stop(self) -> list[Start]:
-        """Wait for the racers to finish; their starts."""
+        """Tell the racers to stop, wait for them (a start the database refuses is tried for up
+        to ``RETRY_FOR`` s); their starts."""
+        (self.folder / "stop").touch()
         for n, proc in enumerate(self.procs):
-            code = proc.wait(self.seconds + RETRY_FOR + 60)
+            code = proc.wait(RETRY_FOR + 60)
             log = self._log(n).read_text(errors="replace")
             assert code == 0, f"racer {n} exited {code}:\n{log[-3000:]}"
         return self.read()

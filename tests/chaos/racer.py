@@ -1,8 +1,8 @@
 """A key racer: ``--threads`` threads starting the same few keys of ``keyed`` with every
-``on_duplicate`` policy for ``--seconds`` once the file ``--go`` exists (it prints ``ready``
-before it waits); one JSON line per start to ``--out``. The harness runs four of these
-(``load.Racers``) beside the workers, configured by the workers' environment
-(``CHAOS_BROKER``, ``CHAOS_DB``, ``CHAOS_QUEUE``, ``CHAOS_SETTINGS``)."""
+``on_duplicate`` policy once the file ``--go`` exists (it prints ``ready`` before it waits),
+until the file ``--stop`` exists or ``--seconds`` passed; one JSON line per start to ``--out``.
+The harness runs four of these (``load.Racers``) beside the workers, configured by the workers'
+environment (``CHAOS_BROKER``, ``CHAOS_DB``, ``CHAOS_QUEUE``, ``CHAOS_SETTINGS``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--go", required=True, help="begin once this file exists")
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--stop", required=True, help="stop once this file exists")
+    parser.add_argument("--seconds", type=float, default=600.0, help="stop after this long at most")
     parser.add_argument("--pause", type=float, default=0.25, help="mean seconds between a thread's starts")
     args = parser.parse_args()
     settings = json.loads(os.environ["CHAOS_SETTINGS"])
@@ -40,7 +41,7 @@ def main() -> None:
 
         def race(n: int) -> None:
             rng = random.Random(args.seed * 1000 + n)
-            while time.time() < end:
+            while time.time() < end and not os.path.exists(args.stop):
                 workflow, key, policy = pick_start(rng, KEYS, "race", 1.0)
                 rec = start_one(client, workflow, new_input(rng, long_share=0.0), key, policy)
                 with lock:

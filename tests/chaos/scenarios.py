@@ -1,7 +1,7 @@
 """The chaos scenarios: each starts a fresh cluster (database, Redis, a prefork and a threads
-worker with ``-c 2``), runs producer threads (and, for ``keys``, 4 racer processes x 8 threads)
-while its faults happen, stops the load when the faults stop, waits until no run is unfinished
-(at most ``recovery_bound``), and checks the database and the ledger (``checks.py``).
+worker with ``-c 2``), runs producer threads and 4 key racer processes x 8 threads while its
+faults happen, stops the load when the faults stop, waits until no run is unfinished (at most
+``recovery_bound``), and checks the database and the ledger (``checks.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,23 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos import faults as f
-from tests.chaos.checks import Report, Snapshot, analyze, check_sampler, describe_runs, wait_quiet
+from tests.chaos.checks import (
+    Report,
+    Snapshot,
+    analyze,
+    check_consistency,
+    check_sampler,
+    check_worked_after,
+    describe_runs,
+    wait_quiet,
+)
 from tests.chaos.cluster import Cluster
 from tests.chaos.load import KeySampler, Producers, Racers, Start
 from tests.pgserver import PgServer
 
 RELAY_BACKOFF_MAX = 15.0  # durable_celery.upkeep: the longest pause of a relay while the broker is down
 TERM_WITHIN = 20.0  # seconds past the grace period a warm shutdown may take
+WORKED_WITHIN = 30.0  # seconds the load goes on after an outage, at most, until every worker began a step
 
 
 def recovery_bound(settings: dict[str, Any]) -> float:
@@ -47,7 +57,7 @@ class Scenario:
     name: str
     faults: Faults
     seconds: float  # how long the load runs while the faults happen
-    racers: bool = False
+    racer_pause: float = 1.0  # mean seconds between a racer thread's starts (32 threads)
     long_share: float = 0.05  # of the steps that take 2.5 s, longer than the grace period
     rate: float = 2.5  # starts a second from the producer threads
     check: Callable[[Report, f.FaultLog, Snapshot, Cluster, list[Start]], None] | None = None
@@ -66,17 +76,35 @@ def _ready(cluster: Cluster) -> None:
 
 
 def kills(cluster: Cluster, log: f.FaultLog, rng: random.Random, seconds: float) -> None:
-    """Every 2-3 s SIGKILL a pool process (busy if any) or a whole worker, restarting it."""
+    """Every 2-3 s SIGKILL a pool process (busy if any), a prefork worker's main process alone or
+    a whole worker (busy if any), restarting a killed worker; each kind once first, then at random."""
     end = time.time() + seconds
-    n = 0
+    prefork = tuple(name for name, worker in cluster.workers.items() if worker.pool == "prefork")
+    order = ["kill_child", *rng.sample(["kill_parent", "kill_node"], 2)]
     while time.time() + 2 < end:
         _until(time.time() + rng.uniform(2.0, 3.0))
-        if n % 3 == 1 or (n > 2 and rng.random() < 0.3):
+        kind = (
+            order.pop(0) if order else rng.choices(("kill_child", "kill_parent", "kill_node"), (2, 1, 1))[0]
+        )
+        if kind == "kill_node":
             f.kill_node(cluster, log, f.busy_worker(cluster, tuple(cluster.workers), rng, wait=1.5))
+        elif kind == "kill_parent":
+            f.kill_parent(cluster, log, f.busy_worker(cluster, prefork, rng, wait=1.5))
         else:
-            f.kill_child(cluster, log, rng)
-        n += 1
+            f.kill_child(cluster, log, rng, wait=10.0)
     _ready(cluster)
+
+
+def check_kills(
+    report: Report, log: f.FaultLog, snap: Snapshot, cluster: Cluster, starts: list[Start]
+) -> None:
+    """Each kind of kill happened: a pool process, a worker parent alone, a whole worker."""
+    kinds = {fault.kind for fault in log.faults}
+    for kind in ("kill_child", "kill_parent", "kill_node"):
+        if kind not in kinds:
+            report.problem(f"no {kind} fault happened")
+    orphans = [fault.detail["orphans"] for fault in log.faults if fault.kind == "kill_parent"]
+    report.counts["pool processes left by a killed worker parent"] = sum(int(n) for n in orphans)  # type: ignore[call-overload]
 
 
 def rolling_restart(cluster: Cluster, log: f.FaultLog, rng: random.Random, seconds: float) -> None:
@@ -90,18 +118,22 @@ def rolling_restart(cluster: Cluster, log: f.FaultLog, rng: random.Random, secon
 
 
 def redis_restart(cluster: Cluster, log: f.FaultLog, rng: random.Random, seconds: float) -> None:
+    """Redis down 3 s; the load goes on until every worker has begun a step after it."""
     end = time.time() + seconds
     _until(time.time() + 3)
-    f.redis_outage(cluster, log, down=3.0)
+    outage = f.redis_outage(cluster, log, down=3.0)
     _until(end)
+    f.wait_worked(cluster, outage.t1, WORKED_WITHIN)
 
 
 def pg_restart(mode: str) -> Faults:
     def restart(cluster: Cluster, log: f.FaultLog, rng: random.Random, seconds: float) -> None:
+        """PostgreSQL down 2 s; the load goes on until every worker has begun a step after it."""
         end = time.time() + seconds
         _until(time.time() + 3)
-        f.pg_restart(cluster, log, mode, down=2.0)
+        outage = f.pg_restart(cluster, log, mode, down=2.0)
         _until(end)
+        f.wait_worked(cluster, outage.t1, WORKED_WITHIN)
 
     return restart
 
@@ -170,8 +202,10 @@ def check_fenced(
 def check_broker_outage(
     report: Report, log: f.FaultLog, snap: Snapshot, cluster: Cluster, starts: list[Start]
 ) -> None:
-    """Starts went on while Redis was down, and every worker saw the loss (and lived)."""
+    """Starts went on while Redis was down, and every worker saw the loss, lived, and began steps
+    after Redis was back (it reconnected by itself)."""
     (outage,) = [fault for fault in log.faults if fault.kind == "redis"]
+    check_worked_after(report, snap, cluster.workers, outage.t1, "the Redis outage")
     during = [rec for rec in starts if outage.t0 <= rec.t0 <= outage.t1]
     report.counts["starts while Redis was down"] = len(during)
     if not during:
@@ -185,7 +219,10 @@ def check_database_outage(
     report: Report, log: f.FaultLog, snap: Snapshot, cluster: Cluster, starts: list[Start]
 ) -> None:
     """Some starts were refused (DatabaseUnavailable) during the outage and went through when
-    tried again; the checks of every run found nothing half-written."""
+    tried again; every worker began steps after the outage (it reconnected by itself). (The
+    consistency query of every scenario finds nothing half-written.)"""
+    (outage,) = [fault for fault in log.faults if fault.kind.startswith("pg_")]
+    check_worked_after(report, snap, cluster.workers, outage.t1, "the PostgreSQL outage")
     refused = [rec for rec in starts if rec.errors]
     report.counts["starts refused, then retried"] = len(refused)
     if not refused:
@@ -196,13 +233,13 @@ def check_database_outage(
 
 
 SCENARIOS = {
-    "kill": Scenario("kill", kills, 14.0),
+    "kill": Scenario("kill", kills, 14.0, check=check_kills),
     "sigterm": Scenario("sigterm", rolling_restart, 10.0, long_share=0.3, rate=1.5, check=check_terms),
     "redis": Scenario("redis", redis_restart, 10.0, check=check_broker_outage),
     "pg_fast": Scenario("pg_fast", pg_restart("fast"), 9.0, check=check_database_outage),
     "pg_immediate": Scenario("pg_immediate", pg_restart("immediate"), 9.0, check=check_database_outage),
     "sigstop": Scenario("sigstop", stops, 6.0, check=check_fenced),
-    "keys": Scenario("keys", key_race_faults, 10.0, racers=True),
+    "keys": Scenario("keys", key_race_faults, 10.0, racer_pause=0.25),
 }
 
 
@@ -212,23 +249,22 @@ def run(scenario: Scenario, pg: PgServer, folder: Path, seed: int = 0, **setting
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(cluster.close)
         began = time.monotonic()
-        cluster.start()
+        cluster.launch()
         assert cluster.client is not None
         log, rng = f.FaultLog(), random.Random(seed)
-        racers = Racers(cluster.worker_env(), cluster.folder, scenario.seconds) if scenario.racers else None
-        if racers is not None:
-            cleanup.callback(racers.kill)
-            racers.start()
+        racers = Racers(cluster.worker_env(), cluster.folder, pause=scenario.racer_pause)
+        cleanup.callback(racers.kill)
+        racers.start()
+        cluster.wait_ready()
         sampler = KeySampler(cluster.url).start()
         cleanup.callback(sampler.stop)
         producers = Producers(
             cluster.client, seed, rate=scenario.rate, long_share=scenario.long_share
         ).start()
         cleanup.callback(producers.abort)
-        if racers is not None:
-            racers.go()
+        racers.go()
         scenario.faults(cluster, log, rng, scenario.seconds)
-        starts: list[Start] = producers.stop() + (racers.stop() if racers else [])
+        starts: list[Start] = producers.stop() + racers.stop()
         bound = recovery_bound(cluster.settings)
         recovery, _left = wait_quiet(cluster.connect, bound)
         sampler.stop()
@@ -238,10 +274,12 @@ def run(scenario: Scenario, pg: PgServer, folder: Path, seed: int = 0, **setting
                 report.problem(f"worker {worker.name} exited by itself:\n{worker.log_tail()}")
         with cluster.connect() as conn:
             snap = analyze(conn, report, starts, log)
+            check_consistency(conn, report)
         check_sampler(sampler, report)
         if scenario.check is not None:
             scenario.check(report, log, snap, cluster, starts)
         report.counts["scenario s"] = round(time.monotonic() - began)
+        (cluster.folder / "faults.txt").write_text("\n".join(map(repr, log.faults)))
         if report.problems:
             with cluster.connect() as conn:
                 runs = describe_runs(conn, "\n".join(report.problems))

@@ -3,9 +3,12 @@
 One cluster (a prefork and a threads worker that take every fault, and a threads worker
 ``steady`` that only lives through the server outages), pruning on, producer threads and key
 racers the whole time, and a fault every ``--fault-every`` seconds, cycling through every kind
-in a random order. Runs are checked as they finish (before pruning deletes them) and their
-ledger rows dropped; at the end the load stops, every run must finish within the recovery bound,
-and it prints the chaos table line, worker RSS growth and table / dead-tuple growth.
+in a random order. Runs are checked as they finish (before pruning deletes them; a trigger
+keeps the id and status of every run pruned, so one pruned before its check is still accounted
+for) and their ledger rows dropped; at the end the load stops, every run must finish within the
+recovery bound, every start not checked yet is checked, and every id a start returned that is
+neither checked, pruned nor present is lost. It prints the chaos table line, worker RSS growth
+and table / dead-tuple growth.
 """
 
 from __future__ import annotations
@@ -18,18 +21,38 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos import faults as f
-from tests.chaos.checks import UNFINISHED, Report, analyze, check_sampler, table, wait_quiet
+from tests.chaos.checks import (
+    UNFINISHED,
+    Report,
+    analyze,
+    check_consistency,
+    check_sampler,
+    table,
+    wait_quiet,
+)
 from tests.chaos.cluster import Cluster, chaos_server
 from tests.chaos.load import KeySampler, Producers, Racers, Start
 from tests.chaos.scenarios import recovery_bound
 
 WORKERS = (("a", "prefork"), ("b", "threads"), ("steady", "threads"))
 FAULTED = ("a", "b")  # workers the node faults pick from; "steady" keeps its process for RSS
+PREFORK = ("a",)  # the one a parent-only kill picks
 PRUNE = {"prune": {"completed": 90, "cancelled": 90, "failed": 90}, "prune_interval": 15.0}
 CHECK_EVERY = 15.0  # seconds between checks of the runs finished since
 SETTLED = 20.0  # a run is checked once it finished this long ago (its fenced executions are in)
 TABLES = ("durable_runs", "durable_steps", "durable_keys", "durable_activity", "durable_events")
-FAULT_KINDS = ("kill_child", "kill_node", "term", "stop", "redis", "pg_fast", "pg_immediate")
+FAULT_KINDS = ("kill_child", "kill_parent", "kill_node", "term", "stop", "redis", "pg_fast", "pg_immediate")
+# Every run pruned (deleted), with its status: a run pruned before it was checked is not lost.
+PRUNED_DDL = """
+CREATE TABLE chaos_pruned (id text PRIMARY KEY, status text NOT NULL, key text);
+CREATE FUNCTION chaos_record_pruned() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO chaos_pruned SELECT id, status, key FROM pruned ON CONFLICT DO NOTHING;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER chaos_pruned AFTER DELETE ON durable_runs REFERENCING OLD TABLE AS pruned
+    FOR EACH STATEMENT EXECUTE FUNCTION chaos_record_pruned();
+"""
 
 
 @dataclass
@@ -40,7 +63,7 @@ class Soak:
     rng: random.Random
     report: Report
     log: f.FaultLog = field(default_factory=f.FaultLog)
-    checked: set[str] = field(default_factory=set)
+    checked: dict[str, str | None] = field(default_factory=dict)  # run id -> key, checked or pruned
     checked_starts: set[tuple[str, float]] = field(default_factory=set)
     rss: dict[int, list[tuple[float, str, int]]] = field(default_factory=dict)
     tables: list[tuple[float, dict[str, tuple[int, int, int]]]] = field(default_factory=list)
@@ -51,9 +74,12 @@ class Soak:
         if not self.cycle:  # every kind once per cycle, in a random order
             self.cycle = self.rng.sample(FAULT_KINDS, len(FAULT_KINDS))
         kind = self.cycle.pop()
-        worker = f.busy_worker(self.cluster, FAULTED, self.rng) if kind in f.NODE_FAULTS else None
+        names = PREFORK if kind == "kill_parent" else FAULTED
+        worker = f.busy_worker(self.cluster, names, self.rng) if kind in f.NODE_FAULTS else None
         if kind == "kill_child":
-            f.kill_child(self.cluster, self.log, self.rng)
+            f.kill_child(self.cluster, self.log, self.rng, wait=10.0)
+        elif worker is not None and kind == "kill_parent":
+            f.kill_parent(self.cluster, self.log, worker)
         elif worker is not None and kind == "kill_node":
             f.kill_node(self.cluster, self.log, worker)
         elif worker is not None and kind == "term":
@@ -67,8 +93,10 @@ class Soak:
         return f"{kind} {worker.name}" if worker is not None else kind
 
     def check(self, starts: list[Start], final: bool = False) -> int:
-        """Check the runs finished since the last check (every run, when ``final``); returns how many."""
+        """Check the runs finished since the last check (every run, and every start not checked
+        yet, when ``final``); returns how many runs."""
         with self.cluster.connect() as conn:
+            self._pruned(conn)
             if final:
                 rows = conn.execute("SELECT id, input->>'tag' FROM durable_runs").fetchall()
             else:
@@ -81,13 +109,30 @@ class Soak:
                 s
                 for s in starts
                 if (s.tag, s.t0) not in self.checked_starts
-                and (s.run_id in ids or s.holder in ids or s.tag in tags)
+                and (final or s.run_id in ids or s.holder in ids or s.tag in tags)
             ]
-            analyze(conn, self.report, mine, self.log, sorted(ids))
+            snap = analyze(conn, self.report, mine, self.log, sorted(ids), earlier=self.checked)
             conn.execute("DELETE FROM chaos_ledger WHERE run_id = ANY(%s)", (sorted(ids),))
-        self.checked |= ids
+        self.checked.update({rid: run["key"] for rid, run in snap.runs.items()})
         self.checked_starts |= {(s.tag, s.t0) for s in mine}
         return len(ids)
+
+    def _pruned(self, conn: Any) -> None:
+        """Account for the runs pruned before they were checked: finished (else a problem), their
+        executions unchecked (counted)."""
+        rows = conn.execute("SELECT id, status, key FROM chaos_pruned").fetchall()
+        self.report.counts["runs pruned"] = len(rows)
+        missed = [(rid, status, key) for rid, status, key in rows if rid not in self.checked]
+        for rid, status, key in missed:
+            self.checked[rid] = key
+            self.report.counts["runs pruned before they were checked"] += 1
+            self.report.started += 1
+            self.report.completed += status == "completed"
+            self.report.failed += status == "failed"
+            self.report.cancelled += status == "cancelled"
+            if status in UNFINISHED:
+                self.report.problem(f"run {rid} was pruned while {status}")
+        conn.execute("DELETE FROM chaos_ledger WHERE run_id = ANY(%s)", ([rid for rid, _, _ in missed],))
 
     def sample(self) -> None:
         """Worker RSS per process, and rows, dead tuples and bytes per table."""
@@ -172,8 +217,10 @@ def _soak(cluster: Cluster, minutes: float, fault_every: float, seed: int) -> Re
     rng = random.Random(seed)
     cluster.start()
     assert cluster.client is not None
+    with cluster.connect() as conn:
+        conn.execute(PRUNED_DDL)
     run = Soak(cluster, rng, Report("soak"))
-    racers = Racers(cluster.worker_env(), cluster.folder, minutes * 60, pause=2.0).start()
+    racers = Racers(cluster.worker_env(), cluster.folder, minutes * 60 + 600, pause=2.0).start()
     began = time.time()
     end = began + minutes * 60
     sampler = KeySampler(cluster.url, interval=0.5).start()
@@ -204,6 +251,8 @@ def _soak(cluster: Cluster, minutes: float, fault_every: float, seed: int) -> Re
         sampler.stop()
         run.sample()
         run.check(starts, final=True)
+        with cluster.connect() as conn:
+            check_consistency(conn, run.report)
         check_sampler(sampler, run.report)
         for worker in cluster.workers.values():
             if not worker.alive():

@@ -1,10 +1,12 @@
 """The chaos workflows and the ledger their steps write to.
 
-Every step execution writes a ``begin`` row to ``chaos_ledger`` when it starts and an ``end`` row
-when its body is done, on a connection of its own (autocommit, outside the library's
-transactions), with the run, step, attempt, fencing token, process and worker. So the ledger
-counts executions, including the ones the library never records (a killed process, a fenced
-worker), and the checks compare it with ``durable_steps``.
+Every step execution writes a ``begin`` row to ``chaos_ledger`` when it starts, an ``end`` row
+when its body is done and a ``done`` row once the library has finished with it (its outcome
+recorded, fenced, or its task over), on a connection of its own (autocommit, outside the
+library's transactions), with the run, step, attempt, fencing token, process, thread and worker.
+So the ledger counts executions, including the ones the library never records (a killed
+process, a fenced worker), and tells when each was in progress; the checks compare it with
+``durable_steps``.
 
 Workflows (three steps each; each step sleeps ``ms[i]`` milliseconds):
 
@@ -28,8 +30,9 @@ from typing import Any
 
 import psycopg
 from celery import Celery
+from celery.signals import task_postrun
 
-from durable_celery import Durable, current_run
+from durable_celery import Durable, current_run, signals
 
 # Settings of every chaos worker: short timeouts so a lost node is swept within seconds.
 SETTINGS: dict[str, Any] = {
@@ -57,6 +60,7 @@ CREATE TABLE IF NOT EXISTS chaos_ledger (
     attempt int NOT NULL,
     fence int NOT NULL,
     pid int NOT NULL,
+    thread bigint NOT NULL,
     worker text NOT NULL,
     phase text NOT NULL,
     at double precision NOT NULL
@@ -64,8 +68,8 @@ CREATE TABLE IF NOT EXISTS chaos_ledger (
 CREATE INDEX IF NOT EXISTS chaos_ledger_run ON chaos_ledger (run_id);
 """
 _INSERT = (
-    "INSERT INTO chaos_ledger (run_id, workflow, step, attempt, fence, pid, worker, phase, at) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    "INSERT INTO chaos_ledger (run_id, workflow, step, attempt, fence, pid, thread, worker, phase, at) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
 
 
@@ -96,11 +100,35 @@ class Ledger:
                 held[1].close()
 
     def write(self, phase: str, step: int) -> None:
-        """One row for the current run's execution of ``step``."""
+        """One row for the current run's execution of ``step`` (a ``begin`` opens it in this thread)."""
         run = current_run()
         active = getattr(run, "_active", None)  # the fencing token this execution claimed with
-        fence = int(getattr(active, "fence", -1))
-        row = (run.id, run.workflow, step, run.attempt, fence, os.getpid(), self.worker, phase, time.time())
+        execution = (run.id, run.workflow, step, run.attempt, int(getattr(active, "fence", -1)))
+        if phase == "begin":
+            self._open().append(execution)
+        self._insert((*execution, os.getpid(), threading.get_ident(), self.worker, phase, time.time()))
+
+    def _open(self) -> list[tuple[Any, ...]]:
+        """This thread's executions begun and not yet done."""
+        if getattr(self._local, "open", None) is None:
+            self._local.open = []
+        return self._local.open
+
+    def done(self, run_id: str | None = None) -> None:
+        """A ``done`` row for this thread's open executions (of ``run_id``, or all): the library
+        has recorded or dropped their outcome, or their task is over."""
+        now = time.time()
+        for execution in [e for e in self._open() if run_id is None or e[0] == run_id]:
+            self._open().remove(execution)
+            self._insert((*execution, os.getpid(), threading.get_ident(), self.worker, "done", now))
+
+    def connect(self) -> None:
+        """Write ``done`` rows when a step's outcome is recorded or fenced and when a task ends."""
+        signals.step_finished.connect(lambda sender, run_id, **kw: self.done(run_id), weak=False)
+        signals.worker_fenced.connect(lambda sender, run_id, **kw: self.done(run_id), weak=False)
+        task_postrun.connect(lambda *args, **kw: self.done(), weak=False)
+
+    def _insert(self, row: tuple[Any, ...]) -> None:
         deadline = time.monotonic() + self.patience
         while True:
             try:
