@@ -967,3 +967,67 @@ def test_a_lost_process_whose_run_was_taken_back_meanwhile_names_the_dead_proces
     (entry,) = durable.activity(kinds=["worker_fenced"], run_id=run_id)
     assert entry.details["node"] == process_node(DEAD_PID)
     assert [s.name for s in durable.list_steps(run_id)] == ["first"]
+
+
+# -- what a recorded step sends and resets ----------------------------------------------------
+
+
+def _set_losses(durable: Any, run_id: str) -> None:
+    """One loss of the step in progress; a run backing off made due now."""
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == run_id).values(losses=1))
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.due_at.is_not(None))
+            .values(due_at=durable.db.utcnow())
+        )
+
+
+def test_each_next_message_is_a_first_attempt_under_the_runs_key_and_the_end_names_the_workflow(
+    durable, seen
+):
+    wf = durable.workflow("relayed")
+
+    @wf.step(compensate=lambda: None)
+    def first():
+        return 1
+
+    @wf.step(retry=2, backoff=30)
+    def second():
+        raise RuntimeError("declined")
+
+    run_id = durable.start(wf, key="order:9")
+    seen.clear()
+    steps = [
+        (0, False, "running", ("relayed", 1, run_id, 1, "order:9")),  # the next step
+        (1, False, "retrying", None),  # a retry is the relay's to send when due
+        (1, False, "compensating", ("relayed", 0, run_id, 1, "order:9")),  # the compensation
+        (0, True, "compensated", None),
+    ]
+    for index, compensate, status, message in steps:
+        _set_losses(durable, run_id)  # a loss of the step in progress: gone once it is recorded
+        seen.published.clear()
+        assert durable.run_message("relayed", index, run_id, compensate=compensate) == status
+        assert seen.published == ([message] if message else [])
+        assert _row(durable, run_id).losses == 0, status
+    finished = [s for s in seen.signals if s[0] == "run_finished"]
+    assert finished == [("run_finished", {"run_id": run_id, "workflow": "relayed", "status": "compensated"})]
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_run_that_ends_has_no_losses_and_its_end_names_the_workflow(durable, seen, fail):
+    wf = durable.workflow("single")
+
+    @wf.step
+    def only():
+        if fail:
+            raise RuntimeError("no")
+        return "done"
+
+    run_id = durable.start(wf)
+    _set_losses(durable, run_id)
+    status = "failed" if fail else "completed"
+    assert durable.run_message("single", 0, run_id) == status
+    assert _row(durable, run_id).losses == 0
+    finished = [s for s in seen.signals if s[0] == "run_finished"]
+    assert finished == [("run_finished", {"run_id": run_id, "workflow": "single", "status": status})]
