@@ -1031,3 +1031,24 @@ def test_a_run_that_ends_has_no_losses_and_its_end_names_the_workflow(durable, s
     assert _row(durable, run_id).losses == 0
     finished = [s for s in seen.signals if s[0] == "run_finished"]
     assert finished == [("run_finished", {"run_id": run_id, "workflow": "single", "status": status})]
+
+
+def test_a_retried_run_gets_the_steps_whole_retry_budget_again(durable):
+    wf = durable.workflow("budget")
+
+    @wf.step(retry=2, backoff=30)
+    def flaky():
+        raise RuntimeError("down")
+
+    run_id = durable.start(wf)
+    statuses = []
+    for _ in range(2):
+        _set_losses(durable, run_id)
+        statuses.append(durable.run_message("budget", 0, run_id))
+    assert statuses == ["retrying", "failed"]
+    durable.retry(run_id)  # attempt 3, counted from 2: this attempt and one more
+    for _ in range(2):
+        _set_losses(durable, run_id)
+        statuses.append(durable.run_message("budget", 0, run_id))
+    assert statuses == ["retrying", "failed", "retrying", "failed"]
+    assert _row(durable, run_id).attempt == 4
