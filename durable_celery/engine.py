@@ -408,8 +408,7 @@ class Engine:
                 "error": error_record(outcome.error),
                 "step_index": undo.index,
                 "step_name": undo.name,
-                "attempt": 1,
-                "attempt_base": 0,
+                "attempt": 1,  # compensations count from 1 against compensate_retry: no base
                 "losses": 0,
                 "context": ctx.context,
                 "due_at": Clock(),

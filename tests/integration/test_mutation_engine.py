@@ -1052,3 +1052,38 @@ def test_a_retried_run_gets_the_steps_whole_retry_budget_again(durable):
         statuses.append(durable.run_message("budget", 0, run_id))
     assert statuses == ["retrying", "failed", "retrying", "failed"]
     assert _row(durable, run_id).attempt == 4
+
+
+def test_an_outage_is_waited_out_in_pauses_never_longer_than_a_heartbeat(durable, monkeypatch):
+    from durable_celery import DatabaseUnavailable
+    from durable_celery import engine as engine_module
+
+    wf = durable.workflow("patient")
+    wf.step(lambda: 1, name="only")
+    run_id = durable.start(wf)
+    real = type(durable.engine)._write_once
+    pauses: list[float] = []
+
+    def write_once(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(pauses) < 4:
+            raise DatabaseUnavailable("postgresql://db", "connection refused")
+        return real(engine, *args, **kwargs)
+
+    monkeypatch.setattr(type(durable.engine), "_write_once", write_once)
+    monkeypatch.setattr(engine_module.time, "sleep", pauses.append)
+    assert durable.run_message("patient", 0, run_id) == "completed"
+    beat = durable.settings.heartbeat_interval  # 0.3 in the tests
+    assert pauses == [0.2, beat, beat, beat]
+
+
+def test_a_completed_holder_kept_by_reuse_cancels_the_run_waiting_behind_it(durable):
+    wf = durable.workflow("kept", reuse="after_failure", on_duplicate="run_again")
+    wf.step(lambda: 1, name="first")
+    wf.step(lambda: 2, name="second")
+    holder = durable.start(wf, key="k")
+    assert durable.run_message("kept", 0, holder) == "running"
+    behind = durable.start(wf, key="k")  # behind a started holder: waits for its end
+    assert durable.get_run(behind).status == "waiting"
+    assert durable.run_message("kept", 1, holder) == "completed"
+    assert durable.get_run(behind).status == "cancelled"  # a completed holder keeps the key
+    assert durable.activity(kinds=["key_handed_off"]) == []
