@@ -1054,7 +1054,7 @@ def test_a_retried_run_gets_the_steps_whole_retry_budget_again(durable):
     assert _row(durable, run_id).attempt == 4
 
 
-def test_an_outage_is_waited_out_in_pauses_never_longer_than_a_heartbeat(durable, monkeypatch):
+def test_an_outage_is_waited_out_in_pauses_never_longer_than_a_heartbeat(durable, monkeypatch, caplog):
     from durable_celery import DatabaseUnavailable
     from durable_celery import engine as engine_module
 
@@ -1074,6 +1074,8 @@ def test_an_outage_is_waited_out_in_pauses_never_longer_than_a_heartbeat(durable
     assert durable.run_message("patient", 0, run_id) == "completed"
     beat = durable.settings.heartbeat_interval  # 0.3 in the tests
     assert pauses == [0.2, beat, beat, beat]
+    said = [r.getMessage() for r in caplog.records if "its outcome is kept until then" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"durable: run {run_id}: database unavailable at")  # once
 
 
 def test_a_completed_holder_kept_by_reuse_cancels_the_run_waiting_behind_it(durable):
