@@ -1054,10 +1054,11 @@ def test_a_retried_run_gets_the_steps_whole_retry_budget_again(durable):
     assert _row(durable, run_id).attempt == 4
 
 
-def test_an_outage_is_waited_out_in_pauses_never_longer_than_a_heartbeat(durable, monkeypatch, caplog):
+def test_an_outage_is_waited_out_in_pauses_never_longer_than_a_heartbeat(make_durable, monkeypatch, caplog):
     from durable_celery import DatabaseUnavailable
     from durable_celery import engine as engine_module
 
+    durable = make_durable(heartbeat_interval=1.0)
     wf = durable.workflow("patient")
     wf.step(lambda: 1, name="only")
     run_id = durable.start(wf)
@@ -1072,8 +1073,7 @@ def test_an_outage_is_waited_out_in_pauses_never_longer_than_a_heartbeat(durable
     monkeypatch.setattr(type(durable.engine), "_write_once", write_once)
     monkeypatch.setattr(engine_module.time, "sleep", pauses.append)
     assert durable.run_message("patient", 0, run_id) == "completed"
-    beat = durable.settings.heartbeat_interval  # 0.3 in the tests
-    assert pauses == [0.2, beat, beat, beat]
+    assert pauses == [0.2, 0.4, 0.8, 1.0]  # doubling, up to the heartbeat interval
     said = [r.getMessage() for r in caplog.records if "its outcome is kept until then" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith(f"durable: run {run_id}: database unavailable at")  # once
 
@@ -1089,3 +1089,26 @@ def test_a_completed_holder_kept_by_reuse_cancels_the_run_waiting_behind_it(dura
     assert durable.run_message("kept", 1, holder) == "completed"
     assert durable.get_run(behind).status == "cancelled"  # a completed holder keeps the key
     assert durable.activity(kinds=["key_handed_off"]) == []
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["committed", "not-committed"])
+def test_an_inline_chain_goes_on_after_an_outage_interrupted_a_write(durable, monkeypatch, seen, commit):
+    from durable_celery import continuation
+
+    wf = durable.workflow("chained")
+    ran: list[int] = []
+    for i in range(3):
+        wf.step(lambda i=i: ran.append(i) or i, name=f"s{i}")
+    run_id = durable.start(wf)
+    failed = _answer_lost_once(monkeypatch, durable, commit)  # the first step's record, going on
+    seen.published.clear()
+
+    queue = _row(durable, run_id).queue
+    assert continuation.run_message(durable.engine, wf, wf.steps[0], run_id, False, queue).status == "running"
+
+    assert failed == [1] and ran == [0, 1, 2]  # the next steps ran inline, in this call
+    assert seen.published == []
+    run = durable.get_run(run_id)
+    assert (run.status, run.output) == ("completed", 2)
+    steps = [(s.name, s.attempt, s.status) for s in durable.list_steps(run_id)]
+    assert steps == [("s0", 1, "completed"), ("s1", 1, "completed"), ("s2", 1, "completed")]
