@@ -131,11 +131,9 @@ def list_pending_inputs(
     from .waits import INPUT
 
     with durable.db.engine.connect() as conn:
-        rows = queries.pending_inputs(conn, INPUT, _check_limit(limit))
+        rows = queries.pending_inputs(conn, INPUT, _check_limit(limit), workflow)
     return [
-        PendingInput(r.id, r.workflow, r.wait_name[len(INPUT) :], r.key, aware(r.wait_until))
-        for r in rows
-        if workflow is None or r.workflow == workflow
+        PendingInput(r.id, r.workflow, r.wait_name[len(INPUT) :], r.key, aware(r.wait_until)) for r in rows
     ]
 
 

@@ -75,11 +75,11 @@ def fetch_runs(
     *,
     workflow: str | None = None,
     key: str | None = None,
-    status: str | Sequence[str] | None = None,
+    status: Sequence[str] | None = None,
     parent_id: str | None = None,
-    limit: int = 100,
+    limit: int,
 ) -> Sequence[Any]:
-    """Runs matching the filters, newest first."""
+    """Runs matching the filters (``status``: any of these), newest first."""
     query = select(runs, _HOLDS_KEY)
     if parent_id is not None:
         query = query.where(runs.c.parent_id == parent_id)
@@ -87,9 +87,7 @@ def fetch_runs(
         query = query.where(runs.c.workflow == workflow)
     if key is not None:
         query = query.where(runs.c.key == key)
-    if isinstance(status, str):
-        query = query.where(runs.c.status == status)
-    elif status is not None:
+    if status is not None:
         query = query.where(runs.c.status.in_(list(status)))
     query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit)
     return conn.execute(query).all()
@@ -320,14 +318,16 @@ def hand_back_txn(db: Database, conn: Connection, run_id: str, fence: int, secon
     return bool(conn.execute(stmt, {"p_id": run_id, "p_fence": fence, **params}).rowcount == 1)
 
 
-def pending_inputs(conn: Connection, prefix: str, limit: int) -> Sequence[Any]:
-    """Runs waiting for an input, oldest first."""
+def pending_inputs(conn: Connection, prefix: str, limit: int, workflow: str | None) -> Sequence[Any]:
+    """Runs (of ``workflow``, if given) waiting for an input, oldest first."""
     query = (
         select(runs.c.id, runs.c.workflow, runs.c.wait_name, runs.c.wait_until, runs.c.key)
         .where(runs.c.status == "waiting", runs.c.wait_name.startswith(prefix, autoescape=True))
-        .order_by(runs.c.created_at)
+        .order_by(runs.c.created_at, runs.c.id)
         .limit(limit)
     )
+    if workflow is not None:
+        query = query.where(runs.c.workflow == workflow)
     return conn.execute(query).all()
 
 
@@ -391,7 +391,7 @@ def take_due_runs_txn(
             runs.c.published.label("resend"),
         )
         .where(due, or_(never_sent, _resend_due(db, relay_after)), runs.c.status.in_(RELAYED), *where)
-        .order_by(runs.c.due_at)
+        .order_by(runs.c.due_at, runs.c.id)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )

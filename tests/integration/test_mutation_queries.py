@@ -287,13 +287,13 @@ def test_pending_inputs_lists_runs_waiting_for_an_input_oldest_first(durable):
     _set(durable, lookalike, status="waiting", wait_name="inXput:c")  # `_` is literal
     _set(durable, running, status="running", wait_name="in_put:d")
     with durable.db.engine.connect() as conn:
-        found = queries.pending_inputs(conn, "in_put:", 10)
+        found = queries.pending_inputs(conn, "in_put:", 10, None)
         assert [(r.id, r.workflow, r.wait_name, r.key) for r in found] == [
             (older, "claimed", "in_put:a", "k-1"),  # inserted second, created first
             (newer, "claimed", "in_put:b", "k-0"),
         ]
         assert found[0].wait_until is not None and found[1].wait_until is None
-        assert [r.id for r in queries.pending_inputs(conn, "in_put:", 1)] == [older]
+        assert [r.id for r in queries.pending_inputs(conn, "in_put:", 1, None)] == [older]
 
 
 def test_count_runs_by_status_counts_each_workflow_and_status(durable):
@@ -449,3 +449,112 @@ def test_claims_with_and_without_a_timeout_each_keep_their_own_statement(durable
         assert queries.claim_run(durable.db, conn, timed, 0, "w:1:1", timeout=600).id == timed
     assert _row(durable, plain).deadline_at is None
     assert _row(durable, timed).deadline_at is not None  # counted from this first claim
+
+
+# -- readers: list_runs, pending inputs, what a Fake runs next ---------------------------------
+
+
+def _one_step(durable: Any, name: str) -> Any:
+    wf = durable.workflow(name)
+    wf.step(lambda: 1, name="only")
+    return wf
+
+
+def test_list_runs_filters_by_workflow_key_and_status_newest_first(durable):
+    a, b = _one_step(durable, "a_flow"), _one_step(durable, "b_flow")
+    ids = [durable.start(a), durable.start(b), durable.start(a, key="k1"), durable.start(b)]
+    _set(durable, ids[1], status="failed")
+    newest = list(reversed(ids))
+
+    def listed(**filters: Any) -> list[str]:
+        return [r.id for r in durable.list_runs(**filters)]
+
+    assert listed() == newest
+    assert listed(workflow="a_flow") == [ids[2], ids[0]]
+    assert listed(key="k1") == [ids[2]]
+    assert listed(status="failed") == [ids[1]]
+    assert listed(status=["failed", "pending"]) == newest
+    assert listed(workflow="b_flow", status="pending") == [ids[3]]
+    assert listed(limit=2) == newest[:2]
+    # Newest by creation, then by id among runs created at the same instant.
+    _set(durable, ids[0], created_at=durable.db.utcnow() + timedelta(hours=1))
+    same = durable.db.utcnow() - timedelta(hours=1)
+    _set(durable, ids[1], created_at=same)
+    _set(durable, ids[3], created_at=same)
+    assert listed() == [ids[0], ids[2], ids[3], ids[1]]
+
+
+def test_pending_inputs_of_one_workflow_oldest_first_not_cut_by_others(durable):
+    ask, other = durable.workflow("asks"), durable.workflow("others")
+
+    @ask.step
+    def wait_here():
+        current_run().wait_for_input("approval", timeout=3600)
+
+    @other.step
+    def wait_there():
+        current_run().wait_for_input("approval", timeout=3600)
+
+    waiting = []
+    for wf, name in [(other, "others"), (ask, "asks"), (ask, "asks"), (other, "others")]:
+        run_id = durable.start(wf)
+        assert durable.run_message(name, 0, run_id) == "waiting"
+        waiting.append(run_id)
+    old = durable.db.utcnow() - timedelta(hours=1)
+    _set(durable, waiting[2], created_at=old)  # the older of the two asks
+    _set(durable, waiting[0], created_at=old - timedelta(hours=1))  # the oldest of all: another's
+    assert [p.run_id for p in durable.list_pending_inputs(workflow="asks")] == [waiting[2], waiting[1]]
+    assert [p.run_id for p in durable.list_pending_inputs(workflow="asks", limit=1)] == [waiting[2]]
+    assert [p.run_id for p in durable.list_pending_inputs(limit=1)] == [waiting[0]]
+    everyone = [p.run_id for p in durable.list_pending_inputs()]
+    assert everyone == [waiting[0], waiting[2], waiting[1], waiting[3]]
+
+
+def test_a_fake_runs_what_is_due_oldest_due_first_and_leaves_the_rest():
+    from durable_celery.testing import Fake
+
+    fake = Fake()
+    order: list[str] = []
+    wf = fake.workflow("noted")
+
+    @wf.step
+    def note(tag):
+        order.append(tag)
+
+    ids = {tag: fake.start(wf, {"tag": tag}) for tag in ["a", "b", "c", "d"]}
+    # Runs started in the same millisecond have ids in random order: a's sorts after c's here.
+    _set(fake, ids["a"], id="ffffffff" + ids["a"][8:])
+    ids["a"] = "ffffffff" + ids["a"][8:]
+    now = fake.db.utcnow()
+    _set(fake, ids["a"], due_at=now - timedelta(seconds=5))
+    _set(fake, ids["b"], due_at=now - timedelta(seconds=10))
+    _set(fake, ids["c"], due_at=now - timedelta(seconds=5))  # as due as a: the id decides
+    _set(fake, ids["d"], due_at=now - timedelta(seconds=20), locked_by="another-worker:1")
+    assert fake.run_until_idle() == 3
+    assert order == ["b", "c", "a"]  # the locked one is another worker's
+    fake.close()
+
+
+def test_a_fake_leaves_paused_queues_finished_runs_and_other_workflows_alone():
+    from durable_celery.testing import Fake
+
+    fake = Fake()
+    ran: list[str] = []
+    wf = fake.workflow("kept", queue="slow")
+
+    @wf.step
+    def note(tag):
+        ran.append(tag)
+
+    paused = fake.start(wf, {"tag": "paused"})
+    fake.pause_queue("slow")
+    assert fake.run_until_idle() == 0
+    stray = fake.start(_one_step(fake, "stray"))
+    _set(fake, stray, workflow="not_defined_here")  # another build's workflow on the store
+    done = fake.start(_one_step(fake, "done"))
+    _set(fake, done, status="cancelled", finished_at=fake.db.utcnow())  # its due_at left behind
+    assert fake.run_until_idle() == 0
+    fake.resume_queue("slow")
+    assert fake.run_until_idle() == 1 and ran == ["paused"]
+    assert fake.get_run(paused).status == "completed"
+    fake.close()
