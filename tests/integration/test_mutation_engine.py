@@ -1112,3 +1112,63 @@ def test_an_inline_chain_goes_on_after_an_outage_interrupted_a_write(durable, mo
     assert (run.status, run.output) == ("completed", 2)
     steps = [(s.name, s.attempt, s.status) for s in durable.list_steps(run_id)]
     assert steps == [("s0", 1, "completed"), ("s1", 1, "completed"), ("s2", 1, "completed")]
+
+
+def _statements(durable: Any) -> list[str]:
+    from sqlalchemy import event
+
+    seen: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        seen.append(statement.split(None, 1)[0].upper())
+
+    event.listen(durable.db.engine, "before_cursor_execute", note)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_a_steps_record_is_one_statement_unless_its_end_settles_a_key_or_a_parent(durable):
+    """On PostgreSQL: the claim, then one statement recording the step (and claiming nothing
+    more); a keyed or child run's end is a transaction that also settles the key or the parent."""
+    wf = durable.workflow("counted")
+    wf.step(lambda: 1, name="first")
+    wf.step(lambda: 2, name="second")
+    warm = durable.start(wf)
+    durable.run_message("counted", 0, warm)  # the pool's first connection is not counted
+    plain, keyed, child = durable.start(wf), durable.start(wf, key="k"), durable.start(wf)
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == child).values(parent_id=warm, parent_ref="c1"))
+    statements = _statements(durable)
+    seen = {}
+    for name, run_id in [("plain", plain), ("keyed", keyed), ("child", child)]:
+        for index in (0, 1):
+            statements.clear()
+            durable.run_message("counted", index, run_id)
+            seen[name, index] = list(statements)
+    one = ["UPDATE", "WITH"]  # the claim; the record (the run's row, its step row) in one
+    assert seen == {
+        ("plain", 0): one,
+        ("plain", 1): one,
+        ("keyed", 0): one,
+        ("keyed", 1): ["UPDATE", "SELECT", "UPDATE", "INSERT"],  # the key row first, then the record
+        ("child", 0): one,
+        ("child", 1): ["UPDATE", "UPDATE", "INSERT", "UPDATE"],  # the record, then the parent
+    }
+    assert {durable.get_run(r).status for r in (plain, keyed, child)} == {"completed"}
+
+
+def test_a_fenced_holders_end_leaves_the_run_waiting_behind_it_waiting(durable):
+    wf = durable.workflow("fenced_holder", on_duplicate="run_again")
+    wf.step(lambda: 1, name="first")
+
+    @wf.step
+    def second():
+        _take_over(durable, current_run().id, "fenced")  # another worker has the run now
+
+    holder = durable.start(wf, key="k")
+    assert durable.run_message("fenced_holder", 0, holder) == "running"
+    behind = durable.start(wf, key="k")
+    assert durable.run_message("fenced_holder", 1, holder) == "fenced"
+    assert durable.get_run(behind).status == "waiting"  # the holder has not ended
+    assert durable.get_run(holder).status == "running"
+    assert durable.activity(kinds=["key_handed_off"]) == []
