@@ -216,6 +216,19 @@ def test_the_timeout_sweep_fails_only_unfinished_runs_past_their_deadline(durabl
     assert upkeep.fail_overdue_once(durable) == []
 
 
+def test_the_timeout_sweep_ends_a_batch_a_pass(durable, monkeypatch):
+    """A pass is bounded (``RELAY_BATCH`` runs), so the sweeper's other work is never held up."""
+    monkeypatch.setattr(upkeep, "RELAY_BATCH", 2)
+    steps = Steps(durable, timeout=600)
+    late = [durable.start(steps.wf) for _ in range(3)]
+    for run_id in late:
+        _set(durable, run_id, deadline_at=_ago(durable, 5))
+    first = upkeep.fail_overdue_once(durable)
+    assert len(first) == 2
+    assert upkeep.fail_overdue_once(durable) == sorted(set(late) - set(first))
+    assert upkeep.fail_overdue_once(durable) == []
+
+
 def test_a_hand_back_frees_the_run_for_the_relay_later_only_under_its_fence(durable):
     steps = Steps(durable)
     run_id = durable.start(steps.wf)
