@@ -101,15 +101,15 @@ class Engine:
     def execute(self, workflow: Workflow, step: Step, run_id: str, compensate: bool) -> str:
         """Handle one step (or compensation) message; returns what happened ('completed',
         'dropped', 'fenced', ...)."""
-        return self.execute_with_result(workflow, step, run_id, compensate=compensate).status
+        return self.execute_with_result(workflow, step, run_id, None, compensate).status
 
     def execute_with_result(
         self,
         workflow: Workflow,
         step: Step,
         run_id: str,
-        node: str | None = None,
-        compensate: bool = False,
+        node: str | None,
+        compensate: bool,
     ) -> MessageResult:
         """``execute``, also giving the exception of an attempt that failed."""
         node = node or f"{self.node}:{threading.get_ident()}"

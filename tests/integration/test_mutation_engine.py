@@ -24,6 +24,7 @@ from durable_celery.engine import process_node
 from durable_celery.models import aware
 from durable_celery.nodes import Node
 from durable_celery.store import queries
+from durable_celery.store.child_rows import CHILDREN_WAIT
 from durable_celery.store.schema import runs
 
 pytestmark = pytest.mark.timeout(60)
@@ -1172,3 +1173,42 @@ def test_a_fenced_holders_end_leaves_the_run_waiting_behind_it_waiting(durable):
     assert durable.get_run(behind).status == "waiting"  # the holder has not ended
     assert durable.get_run(holder).status == "running"
     assert durable.activity(kinds=["key_handed_off"]) == []
+
+
+def _waits_for_child(durable: Any, parent: str, child: str) -> None:
+    """``parent`` waits for its children, ``child`` one of them (as start_workflow makes them)."""
+    waits = {"status": "waiting", "due_at": None, "wait_name": CHILDREN_WAIT}
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == parent).values(**waits))
+        conn.execute(update(runs).where(runs.c.id == child).values(parent_id=parent, parent_ref="c1"))
+
+
+def test_a_keyed_childs_end_sends_the_run_waiting_behind_it_and_wakes_its_parent(durable, seen):
+    wf = durable.workflow("kid", on_duplicate="run_again")
+    wf.step(lambda: 1, name="first")
+    wf.step(lambda: 2, name="second")
+    parent = durable.start(wf)
+    child = durable.start(wf, key="kid:1")
+    _waits_for_child(durable, parent, child)
+    assert durable.run_message("kid", 0, child) == "running"
+    behind = durable.start(wf, key="kid:1")
+    assert durable.get_run(behind).status == "waiting"
+    seen.published.clear()
+    assert durable.run_message("kid", 1, child) == "completed"
+    # Both sent at once, not left to the relay: the run behind the key, and the woken parent.
+    assert sorted(seen.published) == sorted([("kid", 0, behind, 1, "kid:1"), ("kid", 0, parent, 1, None)])
+    assert durable.get_run(behind).status == "pending"
+    assert _row(durable, parent).due_at is not None
+
+
+def test_a_fenced_childs_end_does_not_wake_its_parent(durable):
+    wf = durable.workflow("kid_fenced")
+
+    @wf.step
+    def only():
+        _take_over(durable, current_run().id, "fenced")
+
+    parent, child = durable.start(wf), durable.start(wf)
+    _waits_for_child(durable, parent, child)
+    assert durable.run_message("kid_fenced", 0, child) == "fenced"
+    assert _row(durable, parent).due_at is None
