@@ -137,7 +137,7 @@ class Engine:
         )
         if row.step_name is not None and row.step_name != step.name:
             if known_elsewhere(self.durable, row.workflow, row.step_name):  # a rolling deploy
-                return MessageResult(self._code_elsewhere(step, row))
+                return MessageResult(self._code_elsewhere(row))
             changed = DurableError(definition_changed(row.workflow, row.step_name)["message"])
             return MessageResult(self._definition_changed(workflow, step, row, ctx, started), changed)
         # -- observability hook (instrument.py): the attempt's span and log capture --------------
@@ -521,7 +521,7 @@ class Engine:
         self._after_write(workflow, row, "failed", values)
         return "definition_changed"
 
-    def _code_elsewhere(self, step: Step, row: Any) -> str:
+    def _code_elsewhere(self, row: Any) -> str:
         """The run's current step is not this build's but a live node has it: hand the run back
         for that node, without using an attempt (rollout.py)."""
         retry_in = self.durable.settings.missing_code_retry

@@ -1212,3 +1212,82 @@ def test_a_fenced_childs_end_does_not_wake_its_parent(durable):
     _waits_for_child(durable, parent, child)
     assert durable.run_message("kid_fenced", 0, child) == "fenced"
     assert _row(durable, parent).due_at is None
+
+
+def test_a_compensation_runs_on_past_a_shutdowns_grace_period(durable):
+    entered, seen = threading.Event(), {}
+
+    def undo():
+        entered.set()
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # well past the grace period, beating as it goes
+            current_run().heartbeat()
+            seen["shutting_down"] = current_run().shutting_down()
+            time.sleep(0.01)
+        return "refunded"
+
+    wf = durable.workflow("refund_late")
+    wf.step(lambda: 1, name="first", compensate=undo)
+
+    @wf.step
+    def second():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    assert durable.run_message("refund_late", 0, run_id) == "running"
+    assert durable.run_message("refund_late", 1, run_id) == "compensating"
+    result: dict[str, str] = {}
+
+    def run() -> None:
+        result["status"] = durable.run_message("refund_late", 0, run_id, compensate=True)
+
+    runner = threading.Thread(target=run)
+    try:
+        runner.start()
+        assert entered.wait(10)
+        durable.engine.drain(0.2)
+        runner.join(15)
+        assert not runner.is_alive() and durable.engine.drain_over()
+    finally:
+        durable.engine.undrain()
+    assert result == {"status": "compensated"} and seen == {"shutting_down": True}
+    assert durable.get_run(run_id).status == "compensated"
+
+
+def test_step_started_names_the_run_workflow_step_and_attempt(durable):
+    started: list[dict[str, Any]] = []
+
+    def note(sender: Any, **kwargs: Any) -> None:
+        if sender is durable:
+            kwargs.pop("signal", None)
+            started.append(kwargs)
+
+    signals.step_started.connect(note, weak=False)
+    try:
+        wf = durable.workflow("announced")
+
+        @wf.step(retry=2, backoff=30)
+        def only():
+            if current_run().attempt == 1:
+                raise RuntimeError("once")
+
+        run_id = durable.start(wf)
+        assert durable.run_message("announced", 0, run_id) == "retrying"
+        _set_losses(durable, run_id)  # due now
+        assert durable.run_message("announced", 0, run_id) == "completed"
+    finally:
+        signals.step_started.disconnect(note)
+    assert started == [
+        {"run_id": run_id, "workflow": "announced", "step": "only", "attempt": 1},
+        {"run_id": run_id, "workflow": "announced", "step": "only", "attempt": 2},
+    ]
+
+
+def test_a_renamed_steps_message_result_carries_the_definition_changed_error(make_durable):
+    old, new, _ = _builds(make_durable)
+    run_id = _at_second_step(old)
+    wf = new.workflows["flow"]
+    result = new.engine.execute_with_result(wf, wf.steps[1], run_id, None, False)
+    assert result.status == "definition_changed"
+    assert type(result.error).__name__ == "DurableError"
+    assert str(result.error) == "workflow 'flow' has no step 'charge' any more; retry once it is back"
