@@ -139,7 +139,7 @@ class Engine:
             if known_elsewhere(self.durable, row.workflow, row.step_name):  # a rolling deploy
                 return MessageResult(self._code_elsewhere(row))
             changed = DurableError(definition_changed(row.workflow, row.step_name)["message"])
-            return MessageResult(self._definition_changed(workflow, step, row, ctx, started), changed)
+            return MessageResult(self._definition_changed(workflow, step, row, started), changed)
         # -- observability hook (instrument.py): the attempt's span and log capture --------------
         with instrument.observe_step(self.durable, workflow, ctx, row) as observed:
             outcome = self._call(step, ctx, compensate=compensate)
@@ -498,9 +498,7 @@ class Engine:
             return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
         return "waiting"
 
-    def _definition_changed(
-        self, workflow: Workflow, step: Step, row: Any, ctx: RunContext, started: Any
-    ) -> str:
+    def _definition_changed(self, workflow: Workflow, step: Step, row: Any, started: Any) -> str:
         """The run's current step is not this one any more (renamed or removed): fail the run,
         without compensation; ``retry`` resumes it once the step is back."""
         error = definition_changed(row.workflow, row.step_name)
