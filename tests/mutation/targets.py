@@ -80,6 +80,7 @@ TARGETS = {
                 "tests/integration/test_continuation.py",
                 "tests/integration/test_rollout.py",
                 "tests/integration/test_logs.py",
+                "tests/integration/test_tracing.py",
                 "tests/integration/test_children.py",
                 *GUARDS,
             ],
