@@ -1291,3 +1291,61 @@ def test_a_renamed_steps_message_result_carries_the_definition_changed_error(mak
     assert result.status == "definition_changed"
     assert type(result.error).__name__ == "DurableError"
     assert str(result.error) == "workflow 'flow' has no step 'charge' any more; retry once it is back"
+
+
+def test_a_failed_attempts_message_result_has_its_exception_and_attempt(durable):
+    wf = durable.workflow("failing_twice")
+
+    @wf.step(retry=2, backoff=30)
+    def only():
+        raise RuntimeError(f"attempt {current_run().attempt}")
+
+    run_id = durable.start(wf)
+    results = []
+    for _ in range(2):
+        _set_losses(durable, run_id)
+        results.append(durable.engine.execute_with_result(wf, wf.steps[0], run_id, None, False))
+    assert [(r.status, str(r.error), r.attempt) for r in results] == [
+        ("retrying", "attempt 1", 1),
+        ("failed", "attempt 2", 2),
+    ]
+    assert not durable.engine.heartbeater.active  # each attempt's heartbeat ended with it
+
+
+def test_a_compensation_that_waits_fails_its_attempt_saying_so(durable):
+    def undo():
+        current_run().sleep(5)
+
+    wf = durable.workflow("undo_waits")
+    wf.step(lambda: 1, name="first", compensate=undo, compensate_retry=1)
+
+    @wf.step
+    def second():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    assert durable.run_message("undo_waits", 0, run_id) == "running"
+    assert durable.run_message("undo_waits", 1, run_id) == "compensating"
+    assert durable.run_message("undo_waits", 0, run_id, compensate=True) == "compensation_failed"
+    undone = [s for s in durable.list_steps(run_id) if s.phase == "compensate"]
+    assert [(s.status, s.error["type"], s.error["message"]) for s in undone] == [
+        ("failed", "DurableError", "a compensation cannot wait (sleep, events, input, children)")
+    ]
+
+
+def test_a_step_past_its_timeout_fails_the_attempt_naming_the_timeout(durable):
+    wf = durable.workflow("too_slow")
+
+    @wf.step(timeout=0.2)
+    def crawl():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # stopped by the heartbeat thread at its timeout
+            time.sleep(0.01)
+
+    run_id = durable.start(wf)
+    assert durable.run_message("too_slow", 0, run_id) == "failed"
+    (attempt,) = durable.list_steps(run_id)
+    assert (attempt.error["type"], attempt.error["message"]) == (
+        "StepTimeout",
+        "step 'crawl' ran past its timeout of 0.2s",
+    )
