@@ -152,7 +152,7 @@ class Engine:
             status = self._record(workflow, step, row, ctx, outcome, started)
         return MessageResult(status, outcome.error, row.attempt, continuation.take_claimed())
 
-    def _call(self, step: Step, ctx: RunContext, compensate: bool = False) -> Outcome:
+    def _call(self, step: Step, ctx: RunContext, compensate: bool) -> Outcome:
         active = ctx._active
         self.heartbeater.add(active)
         token = enter(ctx)

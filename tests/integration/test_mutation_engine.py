@@ -1101,7 +1101,20 @@ def test_an_inline_chain_goes_on_after_an_outage_interrupted_a_write(durable, mo
     for i in range(3):
         wf.step(lambda i=i: ran.append(i) or i, name=f"s{i}")
     run_id = durable.start(wf)
-    failed = _answer_lost_once(monkeypatch, durable, commit)  # the first step's record, going on
+    if commit:  # the record (and its claim of the next step) committed, its answer lost
+        from durable_celery import DatabaseUnavailable
+
+        real, failed = continuation.claimed, []
+
+        def claimed(row: Any, go_on: Any) -> None:
+            if not failed:
+                failed.append(1)
+                raise DatabaseUnavailable("postgresql://db", "connection lost")
+            real(row, go_on)
+
+        monkeypatch.setattr(continuation, "claimed", claimed)
+    else:
+        failed = _answer_lost_once(monkeypatch, durable, commit)  # the first step's record
     seen.published.clear()
 
     queue = _row(durable, run_id).queue

@@ -534,17 +534,18 @@ def test_a_fake_runs_what_is_due_oldest_due_first_and_leaves_the_rest():
     def note(tag):
         order.append(tag)
 
-    ids = {tag: fake.start(wf, {"tag": tag}) for tag in ["a", "b", "c", "d"]}
-    # Runs started in the same millisecond have ids in random order: a's sorts after c's here.
+    ids = {tag: fake.start(wf, {"tag": tag}) for tag in ["a", "b", "c", "d", "e"]}
+    # Runs started in the same millisecond have ids in random order: a's sorts last here.
     _set(fake, ids["a"], id="ffffffff" + ids["a"][8:])
     ids["a"] = "ffffffff" + ids["a"][8:]
     now = fake.db.utcnow()
-    _set(fake, ids["a"], due_at=now - timedelta(seconds=5))
+    _set(fake, ids["d"], due_at=now - timedelta(seconds=20))
     _set(fake, ids["b"], due_at=now - timedelta(seconds=10))
+    _set(fake, ids["a"], due_at=now - timedelta(seconds=5))
     _set(fake, ids["c"], due_at=now - timedelta(seconds=5))  # as due as a: the id decides
-    _set(fake, ids["d"], due_at=now - timedelta(seconds=20), locked_by="another-worker:1")
-    assert fake.run_until_idle() == 3
-    assert order == ["b", "c", "a"]  # the locked one is another worker's
+    _set(fake, ids["e"], due_at=now - timedelta(seconds=30), locked_by="another-worker:1")
+    assert fake.run_until_idle() == 4
+    assert order == ["d", "b", "c", "a"]  # the locked one is another worker's
     fake.close()
 
 
