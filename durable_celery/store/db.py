@@ -12,13 +12,24 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, DateTime, Engine, Interval, bindparam, create_engine, event, func
+from sqlalchemy import (
+    Connection,
+    DateTime,
+    Engine,
+    Interval,
+    String,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    literal_column,
+)
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
 from sqlalchemy.pool import NullPool, QueuePool
@@ -455,3 +466,15 @@ def _create_schema(conn: Connection) -> None:
 def shape(values: dict[str, Any]) -> tuple[Any, ...]:
     """What a cached statement for ``values`` depends on: the columns, and which are times."""
     return tuple(sorted((k, isinstance(v, Clock), getattr(v, "seconds", 0) == 0) for k, v in values.items()))
+
+
+def constant(text: str) -> Any:
+    """A string constant written into the SQL itself (not a bind parameter): a statement
+    used on every start or step stays one fixed text, with nothing to expand per execution."""
+    return literal_column("'" + text.replace("'", "''") + "'", String())
+
+
+def one_of(column: Any, values: Sequence[str]) -> Any:
+    """``column IN (...)`` of string constants written into the SQL (see :func:`constant`);
+    ``in_`` of plain values would expand a parameter list on every execution."""
+    return column.in_([constant(value) for value in values])

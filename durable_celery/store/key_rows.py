@@ -7,25 +7,17 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
-    String,
     bindparam,
     delete,
     func,
     insert,
-    literal_column,
     select,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .db import Clock, Database
+from .db import Clock, Database, constant, one_of
 from .schema import UNFINISHED, activity, keys, runs
-
-
-def constant(text: str) -> Any:
-    """A string constant written into the SQL itself (not a bind parameter): a statement
-    used on every start stays one fixed text, with nothing to expand per execution."""
-    return literal_column("'" + text.replace("'", "''") + "'", String())
 
 
 def claim_key_txn(db: Database, conn: Connection, workflow: str, key: str, run_id: str) -> bool:
@@ -104,7 +96,7 @@ def start_or_answer(
             .where(
                 keys.c.workflow == wf,
                 keys.c.key == k,
-                runs.c.status.in_([constant(status) for status in UNFINISHED]),
+                one_of(runs.c.status, UNFINISHED),
             )
             .cte("holder")
         )

@@ -26,7 +26,7 @@ from sqlalchemy import (
     update,
 )
 
-from .db import Clock, Database, shape
+from .db import Clock, Database, one_of, shape
 from .queue_rows import paused_exists
 from .schema import keys, queues, runs, steps
 
@@ -124,7 +124,7 @@ def claim_run(
             .where(
                 runs.c.id == bindparam("p_id"),
                 runs.c.step_index == bindparam("p_step"),
-                runs.c.status.in_(statuses),
+                one_of(runs.c.status, statuses),
                 runs.c.locked_by.is_(None),
                 # Not a condition the due index can serve: the run is found by its id. With
                 # statistics that think few runs are due (a history of finished runs, then a
@@ -185,7 +185,7 @@ def _held_run_update(set_values: dict[str, Any]) -> Any:
         .where(
             runs.c.id == bindparam("p_id"),
             runs.c.fence == bindparam("p_fence"),
-            runs.c.status.in_(HELD),
+            one_of(runs.c.status, HELD),
             runs.c.locked_by.is_not(None),
         )
         .values(**set_values)
