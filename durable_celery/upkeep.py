@@ -49,6 +49,7 @@ __all__ = ["relay_once", "sweep_stale_once", "Upkeep", "install"]
 TRIM_INTERVAL = 3600.0
 RELAY_BACKOFF_MAX = 15.0  # the longest wait between relay passes while the broker is down
 SAMPLE_INTERVAL = 60.0
+STOP_WAIT = 10.0  # the longest stop() waits for each thread's current pass (a query that hangs)
 
 
 def sweep_stale_once(durable: Durable) -> tuple[list[str], list[str]]:
@@ -194,7 +195,7 @@ class Upkeep:
         """Stop the threads and wait for their current passes."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=10)
+            thread.join(timeout=STOP_WAIT)
 
     def _wait(self, seconds: float) -> bool:
         # Jittered: a pass in step with a stream of starts on one key (each locks its holder's
