@@ -970,6 +970,31 @@ def test_a_lost_process_whose_run_was_taken_back_meanwhile_names_the_dead_proces
     assert [s.name for s in durable.list_steps(run_id)] == ["first"]
 
 
+def test_a_lost_compensation_whose_run_was_taken_back_meanwhile_names_the_dead_process(durable, monkeypatch):
+    """As above, for a compensation the dead process was running."""
+    wf = _lost_flow(durable, retry=1)
+    run_id = durable.start(wf)
+    with durable.db.begin() as conn:  # a run compensating step 0 ("first")
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id)
+            .values(status="compensating", step_index=0, step_name="first", due_at=durable.db.utcnow())
+        )
+    _claimed_by_dead_process(durable, run_id, 0, compensate=True)
+    real = type(durable.engine)._write
+
+    def taken_first(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        _take_over(durable, run_id, "fenced")
+        return real(engine, *args, **kwargs)
+
+    monkeypatch.setattr(type(durable.engine), "_write", taken_first)
+    status = durable.engine.record_lost(wf, wf.steps[0], run_id, DEAD_PID, "exit 1", compensate=True)
+    assert status == "fenced"
+    (entry,) = durable.activity(kinds=["worker_fenced"], run_id=run_id)
+    assert (entry.details["step"], entry.details["node"]) == ("first", process_node(DEAD_PID))
+    assert durable.list_steps(run_id) == []
+
+
 # -- what a recorded step sends and resets ----------------------------------------------------
 
 

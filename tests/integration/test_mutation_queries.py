@@ -14,6 +14,7 @@ from sqlalchemy import select, update
 from durable_celery import current_run, upkeep
 from durable_celery.store import queries
 from durable_celery.store.schema import runs
+from durable_celery.store.schema import steps as step_rows
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,6 +165,35 @@ def test_the_stale_sweep_hands_back_only_locks_older_than_the_timeout(make_durab
         False,
     )
     assert upkeep.sweep_stale_once(durable) == ([], [])  # handed back once
+
+
+def test_the_stale_sweep_takes_back_a_batch_a_pass(make_durable, monkeypatch):
+    """A pass is bounded (``RELAY_BATCH`` runs), as the timeout sweep's is."""
+    monkeypatch.setattr(upkeep, "RELAY_BATCH", 2)
+    durable = make_durable(stale_lock_timeout=30, max_losses=3)
+    steps = Steps(durable)
+    stale = [durable.start(steps.wf) for _ in range(3)]
+    for run_id in stale:
+        _locked(durable, run_id, 60)
+    first, failed = upkeep.sweep_stale_once(durable)
+    assert len(first) == 2 and failed == []
+    assert upkeep.sweep_stale_once(durable) == (sorted(set(stale) - set(first)), [])
+    assert upkeep.sweep_stale_once(durable) == ([], [])
+
+
+def test_locks_still_beating_do_not_use_up_the_stale_sweeps_batch(make_durable, monkeypatch):
+    """Only stale locks are read: runs whose workers beat, however many and wherever they lie,
+    never fill a pass's batch while a lost run waits behind them."""
+    monkeypatch.setattr(upkeep, "RELAY_BATCH", 1)
+    durable = make_durable(stale_lock_timeout=30, max_losses=3)
+    steps = Steps(durable)
+    beating = [durable.start(steps.wf) for _ in range(3)]
+    stale = durable.start(steps.wf)
+    for run_id in beating:
+        _locked(durable, run_id, 1)
+    _locked(durable, stale, 60)
+    assert upkeep.sweep_stale_once(durable) == ([stale], [])
+    assert all(_row(durable, run_id).locked_by == "gone:1:1" for run_id in beating)
 
 
 @pytest.mark.parametrize("status", ["running", "compensating"])
@@ -572,3 +602,36 @@ def test_a_fake_leaves_paused_queues_finished_runs_and_other_workflows_alone():
     assert fake.run_until_idle() == 1 and ran == ["paused"]
     assert fake.get_run(paused).status == "completed"
     fake.close()
+
+
+def test_a_start_on_a_bare_connection_flags_only_its_own_run_for_the_relay(durable):
+    """Its message waits for the relay (the commit is the caller's); runs already sent stay sent."""
+    steps = Steps(durable)
+    sent = durable.start(steps.wf)
+    assert _row(durable, sent).published is True
+    with durable.db.engine.begin() as conn:
+        flagged = durable.start(steps.wf, connection=conn)
+    assert _row(durable, flagged).published is False
+    assert _row(durable, sent).published is True
+
+
+def test_list_steps_is_in_the_order_recorded_wherever_the_rows_lie(durable):
+    """By id: not by the unique index's order (a compensation of step 0 comes after step 1), nor
+    by where PostgreSQL keeps the rows (an updated row moves to the end of its page)."""
+    wf = durable.workflow("undone")
+    wf.step(lambda: 1, name="first", compensate=lambda: None)
+
+    @wf.step
+    def second():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    assert durable.run_message("undone", 0, run_id) == "running"
+    assert durable.run_message("undone", 1, run_id) == "compensating"
+    assert durable.run_message("undone", 0, run_id, compensate=True) == "compensated"
+    recorded = [(s.step_index, s.phase, s.status) for s in durable.list_steps(run_id)]
+    assert recorded == [(0, "step", "completed"), (1, "step", "failed"), (0, "compensate", "completed")]
+    first = (step_rows.c.run_id == run_id) & (step_rows.c.step_index == 0) & (step_rows.c.phase == "step")
+    with durable.db.begin() as conn:  # the first row written, updated: a new version of it
+        conn.execute(update(step_rows).where(first).values(logs=[]))
+    assert [(s.step_index, s.phase, s.status) for s in durable.list_steps(run_id)] == recorded
