@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select, update
 
-from durable_celery import KeyTaken, SendEvent, signals
+from durable_celery import KeyTaken, SendEvent, rollout, schedule_fires, signals
 from durable_celery.store import key_rows
 from durable_celery.store.child_rows import CHILDREN_WAIT
 from durable_celery.store.schema import events, keys, runs
@@ -461,3 +461,101 @@ def test_debounce_folds_a_start_made_in_the_callers_transaction_too(durable, see
         assert durable.start(wf, {"n": 2}, key="k", connection=conn) == holder
     assert _row(durable, holder).input == {"n": 2}
     assert _only(durable, "key_duplicate").details["outcome"] == "debounced"
+
+
+def test_cancel_existing_cancels_the_replaced_holders_unfinished_children_at_once(durable, seen):
+    wf = _define(durable)
+    kid_wf = _define(durable, "kid")
+    holder = _started(durable, wf, seen, {"n": 1})
+    kids = [durable.start(kid_wf, {"n": n}) for n in (1, 2)]
+    done = durable.start(kid_wf, {"n": 3})
+    for kid in kids:
+        _set(durable, kid, parent_id=holder)
+    _set(durable, done, parent_id=holder, status="completed")
+    other = durable.start(kid_wf, {"n": 4})  # another run's child: left alone
+    _set(durable, other, parent_id=durable.start(kid_wf, {"n": 5}))
+    seen.clear()
+    new = durable.start(wf, {"n": 2}, key="k", on_duplicate="cancel_existing")
+    assert durable.get_run(holder).status == "cancelled"
+    assert [durable.get_run(kid).status for kid in kids] == ["cancelled", "cancelled"]
+    assert (durable.get_run(done).status, durable.get_run(other).status) == ("completed", "pending")
+    finished = [kw["run_id"] for name, kw in seen.signals if name == "run_finished"]
+    assert sorted(finished) == sorted([holder, *kids])
+    assert durable.list_children(new) == []
+
+
+def test_a_keyed_starts_message_leaves_from_the_publisher_thread(durable, request):
+    if isinstance(durable, Fake):
+        pytest.skip("a Fake sends no messages: its steps run in the calling thread")
+    from celery.signals import before_task_publish
+
+    wf = _define(durable)
+    threads: list[str] = []
+
+    def note(sender: Any = None, **_: Any) -> None:
+        if sender == f"durable.{wf.name}.first":
+            threads.append(threading.current_thread().name)
+
+    before_task_publish.connect(note, weak=False)
+    try:
+        holder = durable.start(wf, {"n": 1}, key="k")
+        durable.cancel(holder)
+        durable.start(wf, {"n": 2}, key="k")  # the freed key handed to a new run
+        durable.start(wf, {"n": 3})  # no key
+        assert durable.flush(timeout=10)
+    finally:
+        before_task_publish.disconnect(note)
+        if durable.db.is_postgres:
+            request.getfixturevalue("redis_client").delete(durable.app.conf.task_default_queue)
+    assert threads == ["durable-publisher"] * 3
+
+
+def test_a_step_message_for_a_run_another_worker_holds_ends_nothing(durable, seen):
+    # A worker without the step fails the run with definition_changed only if no worker holds
+    # it; a held run is left alone, its key kept and no end announced.
+    wf = _define(durable)
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="running", started_at=durable.db.utcnow(), locked_by="other@node")
+    message = {"run_id": holder, "step": 0}
+    assert rollout.handle_unknown_step(durable, f"durable.{wf.name}.gone", message) is None
+    assert _row(durable, holder).status == "running"
+    assert _key_holders(durable, wf.name) == (holder, None)
+    assert seen.signals == [] and seen.published == []
+    _set(durable, holder, locked_by=None)  # no worker holds it now: it fails
+    assert rollout.handle_unknown_step(durable, f"durable.{wf.name}.gone", message) == "definition_changed"
+    assert _row(durable, holder).status == "failed"
+    assert seen.signals == [("run_finished", {"run_id": holder, "workflow": wf.name, "status": "failed"})]
+
+
+def test_a_schedule_fire_tells_a_new_run_from_a_duplicate(durable, seen):
+    wf = _define(durable)
+    keyed = schedule_fires.start_fire(durable, wf.name, "k", {"n": 1}, None)
+    unkeyed = schedule_fires.start_fire(durable, wf.name, None, {"n": 1}, None)
+    assert (keyed["outcome"], unkeyed["outcome"]) == ("started", "started")
+    again = schedule_fires.start_fire(durable, wf.name, "k", {"n": 2}, None)
+    assert again == {"outcome": "duplicate", "run_id": keyed["run_id"]}
+    elsewhere = schedule_fires.start_fire(durable, "not_here", "k", {"n": 1}, None)  # no code here
+    assert elsewhere["outcome"] == "started" and durable.get_run(elsewhere["run_id"]).status == "pending"
+    assert seen.published == [(wf.name, 0, keyed["run_id"], 1, "k"), (wf.name, 0, unkeyed["run_id"], 1, None)]
+    started = [kw for name, kw in seen.signals if name == "run_started"]
+    assert started == [
+        {"run_id": keyed["run_id"], "workflow": wf.name, "key": "k"},
+        {"run_id": unkeyed["run_id"], "workflow": wf.name, "key": None},
+        {"run_id": elsewhere["run_id"], "workflow": "not_here", "key": "k"},
+    ]
+
+
+def test_a_holder_cancelled_where_its_workflow_is_not_defined_hands_the_key_on(durable, seen, make_durable):
+    # A process without the workflow's code (a CLI, another service) cancels the holder: the
+    # run waiting behind it takes the key by the default reuse rule.
+    wf = _define(durable, on_duplicate="run_again")
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="running", started_at=durable.db.utcnow())
+    waiting = durable.start(wf, {"n": 2}, key="k")
+    bare = make_durable("bare")
+    assert wf.name not in bare.workflows
+    assert bare.cancel(holder) is True
+    row = _row(durable, waiting)
+    assert (row.status, row.published) == ("pending", True)
+    assert _key_holders(durable, wf.name) == (waiting, None)
+    assert durable.get_run(holder).status == "cancelled"
