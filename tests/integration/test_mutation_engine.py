@@ -1387,3 +1387,56 @@ def test_a_step_past_its_timeout_fails_the_attempt_naming_the_timeout(durable):
         "StepTimeout",
         "step 'crawl' ran past its timeout of 0.2s",
     )
+
+
+@pytest.mark.parametrize("how", ["fenced", "cancelled"])
+def test_a_step_whose_run_was_taken_before_its_record_records_nothing_and_says_why(make_durable, how):
+    """The step returned, but the run was taken over or cancelled before its record (no beat in
+    between to stop it): the record is refused, and the message's result tells which."""
+    durable = make_durable(heartbeat_interval=30, stale_lock_timeout=120)
+    wf = durable.workflow("taken_at_the_end")
+
+    @wf.step
+    def only():
+        _take_over(durable, current_run().id, how)
+        return "done"
+
+    run_id = durable.start(wf)
+    assert durable.run_message("taken_at_the_end", 0, run_id) == how
+    assert durable.list_steps(run_id) == []
+    entries = durable.activity(kinds=["worker_fenced"], run_id=run_id)
+    assert (durable.engine.fenced_count, len(entries)) == ((1, 1) if how == "fenced" else (0, 0))
+
+
+def test_step_finished_names_the_run_workflow_step_attempt_status_and_duration(durable):
+    finished: list[dict[str, Any]] = []
+
+    def note(sender: Any, **kwargs: Any) -> None:
+        if sender is durable:
+            kwargs.pop("signal", None)
+            finished.append(kwargs)
+
+    signals.step_finished.connect(note, weak=False)
+    try:
+        wf = durable.workflow("timed")
+
+        @wf.step(retry=2, backoff=30)
+        def only():
+            time.sleep(0.05)  # a duration to measure
+            if current_run().attempt == 1:
+                raise RuntimeError("once")
+
+        run_id = durable.start(wf)
+        assert durable.run_message("timed", 0, run_id) == "retrying"
+        _set_losses(durable, run_id)  # due now
+        assert durable.run_message("timed", 0, run_id) == "completed"
+    finally:
+        signals.step_finished.disconnect(note)
+    durations = [f.pop("duration") for f in finished]
+    assert finished == [
+        {"run_id": run_id, "workflow": "timed", "step": "only", "attempt": 1, "status": "failed"},
+        {"run_id": run_id, "workflow": "timed", "step": "only", "attempt": 2, "status": "completed"},
+    ]
+    recorded = durable.list_steps(run_id)
+    for duration, step in zip(durations, recorded, strict=True):
+        assert 0.05 <= duration == (step.finished_at - step.started_at).total_seconds() < 10

@@ -635,3 +635,55 @@ def test_list_steps_is_in_the_order_recorded_wherever_the_rows_lie(durable):
     with durable.db.begin() as conn:  # the first row written, updated: a new version of it
         conn.execute(update(step_rows).where(first).values(logs=[]))
     assert [(s.step_index, s.phase, s.status) for s in durable.list_steps(run_id)] == recorded
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # the broker's queue depth: Redis
+def test_only_sent_unclaimed_runs_of_this_build_count_against_the_messages_queued(make_durable, redis_client):
+    """A queue's runs re-sent are at most its sent, unclaimed, unfinished runs of the workflows
+    this build knows, less the messages the broker holds: a run never sent (sent anyway), a
+    finished one, or another build's run whose message was lost (that build's relay's to send
+    again) must not get a re-send beside a message still queued."""
+    from durable_celery.relay import relay_once
+
+    ours = make_durable("ours", relay_after=0.5)
+    _one_step(ours, "shipped")
+    theirs = make_durable("theirs", relay_after=0.5)
+    _one_step(theirs, "not_ours")
+    queue = ours.app.conf.task_default_queue
+    lost = theirs.start("not_ours")
+    ended = ours.start("shipped")
+    assert theirs.flush(timeout=10) and ours.flush(timeout=10)
+    redis_client.delete(queue)  # the broker lost both messages
+    _set(ours, ended, status="cancelled", finished_at=ours.db.utcnow())  # its due_at left behind
+    with ours.db.engine.begin() as conn:
+        unsent = ours.start("shipped", connection=conn)  # flagged for the relay
+    queued = ours.start("shipped")
+    assert ours.flush(timeout=10) and redis_client.llen(queue) == 1
+    for run_id in (lost, ended, unsent, queued):  # due long enough to be looked at again
+        _set(ours, run_id, due_at=_ago(ours, 60))
+    try:
+        assert relay_once(ours) == 1  # the unsent run's message
+        assert redis_client.llen(queue) == 2
+        assert (_row(ours, unsent).published, _row(ours, unsent).resends) == (True, 0)
+        assert _row(ours, queued).resends == 0 and _row(ours, queued).resend_at is not None
+    finally:
+        redis_client.delete(queue)
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # the broker's queue depth: Redis
+def test_a_lost_message_is_sent_again_only_relay_after_its_run_became_due(make_durable, redis_client):
+    from durable_celery.relay import relay_once
+
+    durable = make_durable(relay_after=30)
+    _one_step(durable, "shipped")
+    queue = durable.app.conf.task_default_queue
+    run_id = durable.start("shipped")
+    assert durable.flush(timeout=10) and redis_client.llen(queue) == 1
+    redis_client.delete(queue)  # lost at once
+    try:
+        assert relay_once(durable) == 0 and redis_client.llen(queue) == 0  # too soon to tell
+        _set(durable, run_id, due_at=_ago(durable, 31))
+        assert relay_once(durable) == 1 and redis_client.llen(queue) == 1
+        assert _row(durable, run_id).resends == 1
+    finally:
+        redis_client.delete(queue)
