@@ -765,3 +765,67 @@ def test_a_worker_runs_upkeep_from_its_start_until_it_stops(make_durable):
     assert not _upkeep_threads() - before
     node = _node(durable, name)
     assert node is not None and node["draining"] is True
+
+
+# -- the module's passes: what a test above left to chance ------------------------------------
+
+
+def test_the_timeout_sweep_fails_an_overdue_run_of_a_workflow_this_code_lacks(durable):
+    wf = _define(durable)
+    run_id = durable.start(wf, {"n": 1})
+    _set(durable, run_id, workflow="renamed_since", deadline_at=_ago(durable, 1))
+    assert upkeep.fail_overdue_once(durable) == [run_id]
+    failed = _row(durable, run_id)
+    assert failed.status == "failed"
+    assert failed.error["message"] == "the run did not finish within its timeout of Nones"
+
+
+def test_the_activity_trim_deletes_only_what_is_over_a_week_old(durable):
+    with durable.db.begin() as conn:
+        for what in ("recent", "old"):
+            activity_rows.record_txn(durable.db, conn, what, None, None, None, {})
+        conn.execute(update(activity).where(activity.c.kind == "old").values(at=_ago(durable, 8 * 86400)))
+    assert upkeep.trim_activity_once(durable) == 1
+    assert [e.kind for e in durable.activity(kinds=["recent", "old"])] == ["recent"]
+
+
+def test_a_worker_without_a_database_url_it_can_use_exits_saying_why(capsys):
+    from celery import Celery
+    from celery.exceptions import WorkerShutdown
+
+    from durable_celery import Durable
+
+    durable = Durable(Celery("bad_url", broker="memory://"), "nonsense://x", upkeep=False)
+    with pytest.raises(WorkerShutdown) as refused:
+        upkeep.refuse_old_schema(durable)
+    assert refused.value.args == (1,)  # the worker's exit code
+    said = capsys.readouterr()
+    assert (said.out, said.err) == ("", f"durable: {durable.db.bad_url}\n")
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # the schema check is the same on both
+def test_a_worker_on_an_old_schema_exits_naming_every_pending_revision(tmp_path, capsys, backend):
+    from alembic import command
+    from celery import Celery
+    from celery.exceptions import WorkerShutdown
+
+    from durable_celery import Durable
+    from durable_celery.app_argument import app_argument
+    from durable_celery.store.migrate import alembic_config
+
+    durable = Durable(Celery("behind", broker="memory://"), f"sqlite:///{tmp_path}/old.sqlite3", upkeep=False)
+    try:
+        command.upgrade(alembic_config(durable.db), "0003")
+        pending = durable.pending_migrations()
+        assert len(pending) >= 2
+        with pytest.raises(WorkerShutdown) as refused:
+            upkeep.refuse_old_schema(durable)
+        assert refused.value.args == (1,)
+        said = capsys.readouterr()
+        assert said.out == ""
+        assert said.err == (
+            f"durable: the database schema is behind this code (pending revisions: {', '.join(pending)}); "
+            f"run `celery -A {app_argument()} durable migrate`, then start this worker again\n"
+        )
+    finally:
+        durable.db.dispose()
