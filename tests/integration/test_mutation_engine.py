@@ -1440,3 +1440,49 @@ def test_step_finished_names_the_run_workflow_step_attempt_status_and_duration(d
     recorded = durable.list_steps(run_id)
     for duration, step in zip(durations, recorded, strict=True):
         assert 0.05 <= duration == (step.finished_at - step.started_at).total_seconds() < 10
+
+
+def test_current_run_shows_a_step_its_run_as_claimed(durable):
+    """``current_run()``: the run's id, workflow, input, context so far, key and attempt, and
+    the step's own name (a keyed run here, on its second step, second attempt)."""
+    seen: list[dict[str, Any]] = []
+    wf = durable.workflow("shown")
+
+    @wf.step
+    def first(order):
+        current_run().context["charged"] = order
+        return 1
+
+    @wf.step(retry=2, backoff=30)
+    def second(order):
+        run = current_run()
+        seen.append(
+            {
+                "id": run.id,
+                "workflow": run.workflow,
+                "input": run.input,
+                "context": dict(run.context),
+                "attempt": run.attempt,
+                "key": run.key,
+                "step": run.step,
+                "parent_id": run.parent_id,
+            }
+        )
+        if run.attempt == 1:
+            raise RuntimeError("once")
+
+    run_id = durable.start(wf, {"order": 7}, key="order:7")
+    assert durable.run_message("shown", 0, run_id) == "running"
+    assert durable.run_message("shown", 1, run_id) == "retrying"
+    _set_losses(durable, run_id)  # due now
+    assert durable.run_message("shown", 1, run_id) == "completed"
+    shown = {
+        "id": run_id,
+        "workflow": "shown",
+        "input": {"order": 7},
+        "context": {"charged": 7},
+        "key": "order:7",
+        "step": "second",
+        "parent_id": None,
+    }
+    assert seen == [{**shown, "attempt": 1}, {**shown, "attempt": 2}]

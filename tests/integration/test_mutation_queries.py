@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import select, update
 
 from durable_celery import current_run, upkeep
+from durable_celery.models import aware
 from durable_celery.store import queries
 from durable_celery.store.schema import runs
 from durable_celery.store.schema import steps as step_rows
@@ -687,3 +688,22 @@ def test_a_lost_message_is_sent_again_only_relay_after_its_run_became_due(make_d
         assert _row(durable, run_id).resends == 1
     finally:
         redis_client.delete(queue)
+
+
+def test_a_debounce_restarted_after_the_relay_sent_its_run_waits_its_whole_period(durable):
+    """The relay sent a debounced run that no worker has claimed yet; a later start restarts
+    the debounce (due later, unsent again): the relay's earlier mark to look again is no
+    reason to send it before the new period ends."""
+    from durable_celery.relay import relay_once
+
+    wf = durable.workflow("indexed", debounce={"period": 60, "timeout": 600})
+    wf.step(lambda rev: rev, name="index")
+    run_id = durable.start(wf, {"rev": 1}, key="article:1")
+    _set(durable, run_id, due_at=_ago(durable, 1))  # its first period is over
+    assert relay_once(durable) == 1
+    assert _row(durable, run_id).published is True and _row(durable, run_id).resend_at is not None
+    assert durable.start(wf, {"rev": 2}, key="article:1") == run_id  # debounced: due in 60 s
+    _set(durable, run_id, resend_at=_ago(durable, 1))  # the relay's mark came due meanwhile
+    assert relay_once(durable) == 0
+    row = _row(durable, run_id)
+    assert row.published is False and aware(row.due_at) > durable.db.utcnow() + timedelta(seconds=50)
