@@ -1486,3 +1486,32 @@ def test_current_run_shows_a_step_its_run_as_claimed(durable):
         "parent_id": None,
     }
     assert seen == [{**shown, "attempt": 1}, {**shown, "attempt": 2}]
+
+
+def test_each_step_of_a_parent_starts_a_child_of_its_own_that_names_the_parent(durable):
+    """A child's ``current_run().parent_id`` is its parent's id; a step's children are told
+    apart from another step's (by the step's index), so the second step's call starts a new
+    child rather than getting the first step's."""
+    parents: list[str | None] = []
+    kid = durable.workflow("kid")
+
+    @kid.step
+    def work(n):
+        parents.append(current_run().parent_id)
+        return n * 10
+
+    mom = durable.workflow("mom")
+    mom.step(lambda: current_run().call_workflow("kid", {"n": 1}), name="first")
+    mom.step(lambda: current_run().call_workflow("kid", {"n": 2}), name="second")
+
+    run_id = durable.start(mom)
+    outputs = []
+    for index in (0, 1):
+        assert durable.run_message("mom", index, run_id) == "waiting"
+        children = [c.id for c in durable.list_children(run_id)]
+        assert len(children) == index + 1
+        assert durable.run_message("kid", 0, children[-1]) == "completed"
+        outputs.append(durable.run_message("mom", index, run_id))
+    assert outputs == ["running", "completed"]
+    assert durable.get_run(run_id).output == 20
+    assert parents == [run_id, run_id]

@@ -707,3 +707,32 @@ def test_a_debounce_restarted_after_the_relay_sent_its_run_waits_its_whole_perio
     assert relay_once(durable) == 0
     row = _row(durable, run_id)
     assert row.published is False and aware(row.due_at) > durable.db.utcnow() + timedelta(seconds=50)
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite: one writer at a time, no row locks
+def test_the_relay_passes_over_a_run_another_relay_holds(durable):
+    """Relays on several nodes take due runs ``FOR UPDATE SKIP LOCKED``: a run another node's
+    relay holds is left to it, and this pass sends the rest without waiting for that lock."""
+    from sqlalchemy import event
+
+    from durable_celery.relay import relay_once
+
+    _one_step(durable, "shipped")
+    with durable.db.engine.begin() as conn:  # two runs the relay must send
+        held, free = (durable.start("shipped", connection=conn) for _ in range(2))
+
+    def bounded(conn, cursor, statement, parameters, context, executemany):
+        if "FOR UPDATE" in statement:  # a wait for the other relay's lock fails, never hangs
+            cursor.execute("SET LOCAL lock_timeout = '2s'")
+
+    other = durable.db.engine.connect()
+    other.begin()
+    other.execute(select(runs.c.id).where(runs.c.id == held).with_for_update())
+    event.listen(durable.db.engine, "before_cursor_execute", bounded)
+    try:
+        assert relay_once(durable) == 1
+    finally:
+        event.remove(durable.db.engine, "before_cursor_execute", bounded)
+        other.rollback()
+        other.close()
+    assert (_row(durable, free).published, _row(durable, held).published) == (True, False)
