@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from durable_celery import KeyTaken, SendEvent, rollout, schedule_fires, signals
 from durable_celery.store import key_rows
@@ -559,3 +559,29 @@ def test_a_holder_cancelled_where_its_workflow_is_not_defined_hands_the_key_on(d
     assert (row.status, row.published) == ("pending", True)
     assert _key_holders(durable, wf.name) == (waiting, None)
     assert durable.get_run(holder).status == "cancelled"
+
+
+def test_a_key_released_while_a_start_decides_is_taken_by_that_start(durable, seen, monkeypatch):
+    # The start found the key held (on PostgreSQL by its one-statement try), then the key row
+    # went for good (a release_key committed) before its lock: the next hand claims the key.
+    wf = _define(durable, reuse="never", on_duplicate="error")
+    holder = _started(durable, wf, seen, {"n": 1})
+    _set(durable, holder, status="completed")
+    real, locks = key_rows.lock_key_txn, []
+
+    def lock_key_txn(db: Any, conn: Any, workflow: str, key: str) -> Any:
+        if not locks:  # the release commits just before the first lock
+            if durable.db.is_postgres:
+                with durable.db.engine.begin() as other:
+                    other.execute(delete(keys).where(keys.c.workflow == workflow, keys.c.key == key))
+            else:  # SQLite: the start holds the write lock, so the release runs on its connection
+                conn.execute(delete(keys).where(keys.c.workflow == workflow, keys.c.key == key))
+        locks.append(key)
+        return real(db, conn, workflow, key)
+
+    monkeypatch.setattr(key_rows, "lock_key_txn", lock_key_txn)
+    new = durable.start(wf, {"n": 2}, key="k")
+    assert new != holder
+    assert _key_holders(durable, wf.name) == (new, None)
+    assert len(locks) == 1
+    assert seen.published == [(wf.name, 0, new, 1, "k")]
