@@ -667,6 +667,7 @@ def test_only_sent_unclaimed_runs_of_this_build_count_against_the_messages_queue
         assert redis_client.llen(queue) == 2
         assert (_row(ours, unsent).published, _row(ours, unsent).resends) == (True, 0)
         assert _row(ours, queued).resends == 0 and _row(ours, queued).resend_at is not None
+        assert _row(ours, lost).resend_at is None and _row(ours, ended).resend_at is None  # not taken
     finally:
         redis_client.delete(queue)
 
@@ -736,3 +737,26 @@ def test_the_relay_passes_over_a_run_another_relay_holds(durable):
         other.rollback()
         other.close()
     assert (_row(durable, free).published, _row(durable, held).published) == (True, False)
+
+
+def test_a_relay_pass_takes_its_runs_a_batch_at_a_time(durable, monkeypatch):
+    """Each transaction of a pass locks at most ``RELAY_BATCH`` runs; the pass goes on until a
+    batch comes back short."""
+    from durable_celery import relay
+
+    monkeypatch.setattr(relay, "RELAY_BATCH", 2)
+    taken: list[int] = []
+    real = queries.take_due_runs_txn
+
+    def counted(*args: Any) -> Any:
+        rows = real(*args)
+        taken.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(queries, "take_due_runs_txn", counted)
+    _one_step(durable, "shipped")
+    with durable.db.engine.begin() as conn:  # five runs the relay must send
+        for _ in range(5):
+            durable.start("shipped", connection=conn)
+    assert relay.relay_once(durable) == 5
+    assert taken == [2, 2, 1]
