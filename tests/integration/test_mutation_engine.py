@@ -1515,3 +1515,19 @@ def test_each_step_of_a_parent_starts_a_child_of_its_own_that_names_the_parent(d
     assert outputs == ["running", "completed"]
     assert durable.get_run(run_id).output == 20
     assert parents == [run_id, run_id]
+
+
+def test_drain_outside_a_worker_signals_no_process(durable, monkeypatch):
+    """An engine not (yet) in a worker knows no worker process: ``drain()`` shuts down the
+    worker loop of this process (none here) and signals nobody."""
+    from celery.worker import state
+
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append((pid, sig)))
+    monkeypatch.setattr(state, "should_stop", None)
+    try:
+        durable.drain()
+        assert durable.engine.shutting_down() and state.should_stop == 0
+    finally:
+        durable.engine.undrain()
+    assert signalled == []
