@@ -312,11 +312,17 @@ def test_a_waiting_run_takes_the_key_when_its_holder_is_cancelled(durable, seen)
     holder = _started(durable, wf, seen, {"n": 1})
     _set(durable, holder, status="running", started_at=durable.db.utcnow())
     waiting = durable.start(wf, {"n": 2}, key="k")
+    other_holder = durable.start(wf, {"n": 1}, key="other")  # another key's waiting run: left alone
+    _set(durable, other_holder, status="running", started_at=durable.db.utcnow())
+    other_waiting = durable.start(wf, {"n": 2}, key="other")
     seen.clear()
     assert durable.cancel(holder) is True
     row = _row(durable, waiting)
     assert (row.status, row.published) == ("pending", True) and row.due_at is not None
     assert _key_holders(durable, wf.name) == (waiting, None)
+    other = _row(durable, other_waiting)
+    assert (other.status, other.due_at, other.published) == ("waiting", None, False)
+    assert _key_holders(durable, wf.name, "other") == (other_holder, other_waiting)
     entry = _only(durable, "key_handed_off")
     assert (entry.run_id, entry.details) == (
         waiting,
