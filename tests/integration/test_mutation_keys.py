@@ -591,3 +591,30 @@ def test_a_key_released_while_a_start_decides_is_taken_by_that_start(durable, se
     assert _key_holders(durable, wf.name) == (new, None)
     assert len(locks) == 1
     assert seen.published == [(wf.name, 0, new, 1, "k")]
+
+
+def _delete_run_leaving_its_key_row(durable: Any, run_id: str) -> None:
+    """Delete a run as a session with triggers (PostgreSQL) or foreign keys (SQLite) off would
+    (a restore, a replica's apply): its key row is left naming a run that does not exist."""
+    if durable.db.is_postgres:
+        with durable.db.engine.begin() as conn:
+            conn.exec_driver_sql("SET LOCAL session_replication_role = replica")
+            conn.execute(delete(runs).where(runs.c.id == run_id))
+        return
+    with durable.db.engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        raw.execute("PRAGMA foreign_keys=OFF")
+        raw.execute("DELETE FROM durable_runs WHERE id = ?", (run_id,))
+        raw.commit()
+        raw.execute("PRAGMA foreign_keys=ON")
+
+
+def test_a_key_row_naming_a_run_that_is_gone_is_dropped_and_the_key_taken(durable, seen):
+    wf = _define(durable, reuse="never", on_duplicate="error")
+    gone = _started(durable, wf, seen, {"n": 1})
+    _delete_run_leaving_its_key_row(durable, gone)
+    assert _key_holders(durable, wf.name) == (gone, None)
+    new = durable.start(wf, {"n": 2}, key="k")
+    assert new != gone
+    assert _key_holders(durable, wf.name) == (new, None)
+    assert seen.published == [(wf.name, 0, new, 1, "k")]
