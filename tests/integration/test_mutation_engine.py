@@ -1531,3 +1531,50 @@ def test_drain_outside_a_worker_signals_no_process(durable, monkeypatch):
     finally:
         durable.engine.undrain()
     assert signalled == []
+
+
+def _task_events_of_a_message(durable: Any, run_id: str) -> list[str]:
+    """Hand the run's first step message to its Celery task in this process (as a worker on the
+    test's queue would) and return the types of the task events sent meanwhile."""
+    import uuid
+
+    from celery.events.event import get_exchange
+    from kombu import Consumer, Queue
+
+    workflow = durable.workflows["evented"]
+    types: list[str] = []
+
+    def note(body: Any, message: Any) -> None:
+        types.extend(event["type"] for event in (body if isinstance(body, list) else [body]))
+
+    def drain(conn: Any, seconds: float) -> None:
+        try:
+            while True:
+                conn.drain_events(timeout=seconds)
+        except TimeoutError:
+            pass
+
+    with durable.app.connection_for_read() as conn:
+        exchange = get_exchange(conn, name=durable.app.conf.event_exchange)  # fanout on Redis
+        watch = Queue(f"events-{uuid.uuid4().hex[:8]}", exchange, routing_key="task.#", auto_delete=True)
+        with Consumer(conn, queues=[watch], callbacks=[note], no_ack=True, accept=["json"]):
+            drain(conn, 0.2)  # subscribed before the step runs
+            task = durable.app.tasks[workflow.steps[0].task_name]
+            task.apply(kwargs={"run_id": run_id}, routing_key=durable.app.conf.task_default_queue)
+            drain(conn, 0.5)
+    return types
+
+
+def test_a_durable_sends_no_task_events_for_inline_steps_until_its_worker_says_it_sends_them(durable):
+    """Outside a worker (or before its bootstep notes ``-E``), inline steps send no task
+    events; once the worker sends them, the inline step shows as a task of its own."""
+    wf = durable.workflow("evented")
+    wf.step(lambda: 1, name="first")
+    wf.step(lambda: 2, name="second")
+    quiet = durable.start(wf)
+    assert _task_events_of_a_message(durable, quiet) == []
+    assert durable.get_run(quiet).status == "completed"  # the second step ran inline
+    durable.engine.task_events.value = 1
+    shown = durable.start(wf)
+    assert _task_events_of_a_message(durable, shown)[:2] == ["task-received", "task-started"]
+    assert durable.get_run(shown).status == "completed"
