@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import delete, select, update
 
-from durable_celery import KeyTaken, SendEvent, rollout, schedule_fires, signals
+from durable_celery import KeyContended, KeyTaken, SendEvent, rollout, schedule_fires, signals
 from durable_celery.store import key_rows
 from durable_celery.store.child_rows import CHILDREN_WAIT
 from durable_celery.store.schema import events, keys, runs
@@ -618,3 +618,15 @@ def test_a_key_row_naming_a_run_that_is_gone_is_dropped_and_the_key_taken(durabl
     assert new != gone
     assert _key_holders(durable, wf.name) == (new, None)
     assert seen.published == [(wf.name, 0, new, 1, "k")]
+
+
+def test_a_start_that_keeps_finding_the_key_gone_is_refused_naming_the_key(durable, seen, monkeypatch):
+    # Every lock finds the key row gone (another transaction has it each time) while every
+    # claim finds it held: after three hands the start gives up, saying which key.
+    wf = _define(durable, on_duplicate="error")
+    holder = _started(durable, wf, seen, {"n": 1})
+    monkeypatch.setattr(key_rows, "lock_key_txn", lambda *args: None)
+    with pytest.raises(KeyContended) as contended:
+        durable.start(wf, {"n": 2}, key="k")
+    assert str(contended.value) == f"key 'k' of {wf.name!r} changed hands 3 times"
+    assert [r.id for r in durable.list_runs()] == [holder]
