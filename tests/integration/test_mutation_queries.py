@@ -761,3 +761,28 @@ def test_a_relay_pass_takes_its_runs_a_batch_at_a_time(durable, monkeypatch):
             durable.start("shipped", connection=conn)
     assert relay.relay_once(durable) == 5
     assert taken == [2, 2, 1]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite: one writer at a time, no row locks
+def test_fetch_run_waits_for_the_row_lock_only_when_it_locks(durable):
+    """``fetch_run(lock=True)`` (the cancel's read) waits for a transaction holding the run's row;
+    a plain read does not."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    _one_step(durable, "shipped")
+    run_id = durable.start("shipped")
+    other = durable.db.engine.connect()
+    other.begin()
+    other.execute(select(runs.c.id).where(runs.c.id == run_id).with_for_update())
+    try:
+        with durable.db.engine.connect() as conn:
+            with conn.begin():
+                conn.execute(text("SET LOCAL lock_timeout = '300ms'"))
+                assert queries.fetch_run(conn, run_id).id == run_id
+            with pytest.raises(DBAPIError, match="lock timeout"), conn.begin():
+                conn.execute(text("SET LOCAL lock_timeout = '300ms'"))
+                queries.fetch_run(conn, run_id, lock=True)
+    finally:
+        other.rollback()
+        other.close()
