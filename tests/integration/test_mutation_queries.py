@@ -786,3 +786,17 @@ def test_fetch_run_waits_for_the_row_lock_only_when_it_locks(durable):
     finally:
         other.rollback()
         other.close()
+
+
+def test_a_claim_by_a_build_without_the_workflow_timeout_keeps_the_runs_deadline(make_durable):
+    """A run started where its workflow had a timeout keeps its deadline when a worker of a
+    build that dropped the timeout (a rolling deploy) claims it: the claim leaves it alone."""
+    timed = Steps(make_durable("timed"), timeout=600)
+    run_id = timed.durable.start(timed.wf)
+    deadline = _row(timed.durable, run_id).deadline_at
+    assert deadline is not None
+    untimed = Steps(make_durable("untimed"))
+    untimed.run(run_id, 0)
+    assert len(untimed.rows) == 1  # claimed and ran
+    assert untimed.rows[0].deadline_at == deadline  # as the step saw its claimed run
+    assert _row(untimed.durable, run_id).deadline_at == deadline
