@@ -192,7 +192,7 @@ class Durable:
 
         def run_step(
             task: Any, run_id: str, step: int = index, attempt: int = 1, phase: str = "step"
-        ) -> dict[str, Any]:
+        ) -> task_states.StepSummary:
             # The task's Celery state tells what the attempt came to (task_states.py).
             compensate = phase == "compensate"
             wf = durable.workflows[workflow_name or ""]

@@ -12,7 +12,7 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -41,6 +41,33 @@ class Ignored(Ignore):
     snoozed, parked): the task ends ``IGNORED``; its argument is the summary Flower shows."""
 
 
+class StepSummary(Mapping[str, Any]):
+    """What a step task returns: its summary, read like a dict, shown as the dict's ``repr``.
+
+    Celery makes a ``saferepr`` of every task's return value for its log and the
+    ``task-succeeded`` event (what Flower shows); it walks a ``dict`` item by item, which took
+    about 3 % of a pool process's time per step. Any other object gives its ``repr``: the same
+    text, made once.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self._items = items
+
+    def __getitem__(self, name: str) -> Any:
+        return self._items[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
 def celery_state(result: MessageResult, compensate: bool) -> str:
     """SUCCESS, RETRY, FAILURE or IGNORED: the Celery state of a step task that came to ``result``."""
     status, failed = result.status, result.error is not None
@@ -61,7 +88,7 @@ def task_result(
     step: Step,
     compensate: bool,
     backoff: Callable[[Step, int], float],
-) -> dict[str, Any]:
+) -> StepSummary:
     """The SUCCESS summary of a step task (run id, step, next step or run status), or raise
     what gives the task its state: ``Retry`` (no message is sent), the step's exception, or
     ``Ignored``."""
@@ -72,7 +99,7 @@ def task_result(
     if state == states.SUCCESS:
         following = _following(workflow, step, compensate, result.status)
         summary.update({"next": following} if following else {"run": result.status})
-        return summary
+        return StepSummary(summary)
     if state == states.RETRY:
         raise Retry(exc=result.error, when=backoff(step, result.attempt)) from result.error
     if state == states.FAILURE and result.error is not None:

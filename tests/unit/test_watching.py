@@ -96,3 +96,16 @@ def test_without_prometheus_client_metrics_say_which_extra_to_install(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "pip install 'durable-celery[metrics]'" in done.stdout
+
+
+def test_a_step_tasks_summary_reads_like_its_dict_and_shows_as_its_repr():
+    from celery.utils.saferepr import saferepr
+
+    from durable_celery.task_states import StepSummary
+
+    items = {"run_id": "r-1", "step": "charge", "next": "ship"}
+    summary = StepSummary(dict(items))
+    assert summary == items and dict(summary) == items and summary["next"] == "ship"
+    assert len(summary) == 3 and list(summary) == ["run_id", "step", "next"]
+    # What Celery logs and sends in task-succeeded (Flower's "result"): the dict's own text.
+    assert saferepr(summary, 1024) == saferepr(items, 1024) == repr(items)
