@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery, signals
+from celery.utils.nodenames import anon_nodename
 from kombu.utils.uuid import uuid
 
 from . import tracing
@@ -147,6 +148,9 @@ class Publisher:
         self._declared: set[tuple[str, str | None]] = set()  # queues declared on that connection
         self._redis = False
         self._routes: dict[tuple[str, str | None], Route] = {}  # per step task and queue
+        # The message's "origin" as Celery writes it (gen<pid>@host), made once per process
+        # instead of once per message.
+        self._origin = anon_nodename()
         # Producers of sends made now (a worker's next step, retries, the relay), one per thread.
         self._local = threading.local()
 
@@ -356,6 +360,7 @@ class Publisher:
             message.kwargs(),
             expires=route.expires,
             reply_to=self.app.thread_oid,
+            origin=self._origin,
             time_limit=route.time_limit,
             soft_time_limit=route.soft_time_limit,
             create_sent_event=route.sent_event,

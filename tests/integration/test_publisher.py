@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 from celery import Celery
+from celery.utils.nodenames import anon_nodename
 from sqlalchemy import select
 
 from durable_celery import Durable
@@ -98,6 +99,7 @@ def test_a_background_message_is_the_message_a_synchronous_publish_sends(pg_url,
         assert headers["argsrepr"] == "()"
         assert headers["kwargsrepr"] == f"{{run_id: {run_id}, key: {key!r}, step: pack, attempt: 1}}"
         assert headers["ignore_result"] is True
+        assert headers["origin"] == anon_nodename()  # gen<pid>@host, as Celery names a sender
         assert message["properties"]["delivery_info"]["routing_key"] == queue
     shapes = [
         {k: v for k, v in m["headers"].items() if k not in ("id", "root_id", "kwargsrepr")} for m in messages
@@ -189,11 +191,20 @@ def test_a_forked_child_sends_its_own_messages_and_never_its_parents(pg_url, red
         process.start()
         process.join()
         print(*parent)
+        print(os.getpid(), pid, process.pid)
         """,
     )
+    parent_pid, fork_pid, mp_pid = started[-3:]
+    started = started[:-3]
     assert len(started) == 22
     sent = sent_run_ids(redis_client, queue)
     assert sorted(sent) == sorted(started)  # every one, none twice
+    # Each message names the process that sent it as Celery does ("gen<pid>@host").
+    headers = [json.loads(raw)["headers"] for raw in redis_client.lrange(queue, 0, -1)]
+    origins = {h["kwargsrepr"].split(",")[0].removeprefix("{run_id: "): h["origin"] for h in headers}
+    origins = {run_id: origin.split("@")[0] for run_id, origin in origins.items()}
+    assert origins[started[0]] == f"gen{fork_pid}" and origins[started[1]] == f"gen{mp_pid}"
+    assert {origins[run_id] for run_id in started[2:]} == {f"gen{parent_pid}"}
     redis_client.delete(queue)
 
 
