@@ -12,9 +12,9 @@ No worker runs; every figure is what ``durable.start()`` costs the caller:
    The time of ``durable.publish`` is measured inside the new starts, so the rate is given with
    the publish (what a caller sees) and the share the publish takes.
 2. SQL per start, in a separate untimed pass: statements (SQLAlchemy ``before_cursor_execute``),
-   transactions (``begin``), commits (``commit``) and pool checkouts (a connection that rested
-   for a while is pinged at checkout; one in steady use is not). psycopg sends BEGIN as a round
-   trip of its own.
+   transactions (``begin`` on a connection not in autocommit), commits (``commit``) and pool
+   checkouts (a connection that rested for a while is pinged at checkout; one in steady use is
+   not). psycopg sends BEGIN as a round trip of its own, and none in autocommit.
 3. 32 producers hammering one key for a few seconds: starts/s, errors, runs created (must be 1).
 
 This prints figures; it is not a test.
@@ -156,7 +156,12 @@ class SqlCount:
         self.counts["statements"] += 1
         self.shape.append(label(statement))
 
-    def _begin(self, _conn: Any) -> None:
+    def _begin(self, conn: Any) -> None:
+        # SQLAlchemy begins its own block on a connection in autocommit too; psycopg sends no
+        # BEGIN then, and each statement commits on its own.
+        if getattr(conn.connection.dbapi_connection, "autocommit", False):
+            self.shape.append("(autocommit)")
+            return
         self.counts["transactions"] += 1
         self.shape.append("BEGIN")
 
@@ -182,8 +187,8 @@ def count_sql(producers: Producers, kind: str, calls: int) -> tuple[dict[str, fl
     finally:
         counter.detach(durable.db.engine)
     averages = {name: counter.counts[name] / calls for name in ("statements", "transactions", "commits")}
+    averages["round_trips"] = sum(averages.values())  # statements, BEGINs and COMMITs
     averages["checkouts"] = counter.counts["checkouts"] / calls
-    averages["round_trips"] = sum(averages.values())
     return averages, list(counter.shape)
 
 
@@ -363,11 +368,11 @@ def report_start_to_broker(seen: dict[str, list[float]]) -> None:
 
 
 def report_sql(sql: dict[str, tuple[dict[str, float], list[str]]]) -> bool:
-    say("\nSQL per call (untimed pass)          statements  transactions  commits  checkouts  round trips")
+    say("\nSQL per call (untimed pass)          statements  transactions  commits  round trips  checkouts")
     for kind, (avg, _shape) in sql.items():
         say(
             f"  {kind:<34} {avg['statements']:10.2f} {avg['transactions']:13.2f} {avg['commits']:8.2f} "
-            f"{avg['checkouts']:10.2f} {avg['round_trips']:12.2f}"
+            f"{avg['round_trips']:12.2f} {avg['checkouts']:10.2f}"
         )
     for kind, (_avg, shape) in sql.items():
         say(f"  one {kind}: {' -> '.join(shape)}")

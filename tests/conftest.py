@@ -52,7 +52,7 @@ _HYPOTHESIS = {
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
     "print_blob": True,
 }
-settings.register_profile("ci", max_examples=120, stateful_step_count=30, **_HYPOTHESIS)
+settings.register_profile("ci", max_examples=60, stateful_step_count=30, **_HYPOTHESIS)
 settings.register_profile("long", max_examples=1000, stateful_step_count=50, **_HYPOTHESIS)
 
 PG_HOST = os.environ.get("DURABLE_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
