@@ -1,8 +1,8 @@
 """Every bench in turn, then all their figures and targets together, in one run.
 
-    python -m bench                      # about 6 minutes: the figures docs/performance.md shows
+    python -m bench                      # about 2 minutes: the figures docs/performance.md shows
     python -m bench --only prefork,keys  # some of them
-    python -m bench --quick              # smaller sizes, to see that everything runs (about 2 min)
+    python -m bench --quick              # smaller sizes, to see that everything runs (under a minute)
 
 Each bench runs as ``python -m bench.<name>`` in a process of its own (so one's workers, pools
 and Redis server are gone before the next starts), its output shown as it comes; at the end,
