@@ -37,7 +37,8 @@ class Bench:
 BENCHES = (
     Bench(
         "prefork",
-        "runs/s of durable runs (inline on and off) against plain Celery chains, prefork workers",
+        "runs/s of durable runs (inline on and off) against plain Celery chains, prefork workers;"
+        " statements per run",
         ("-n", "1500"),
         ("-n", "150", "--rounds", "1"),
     ),

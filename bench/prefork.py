@@ -14,8 +14,10 @@ in turns (``--rounds``), so drift on the machine falls on all of them alike:
 3. the same with ``inline_steps=0`` (one broker message per step).
 
 CPU per run is read from ``/proc`` for the worker's processes and for the PostgreSQL backends
-serving the scratch database. Statements per run come from ``pg_stat_database`` (transactions)
-and the worker's own count, written to a file when it exits. This prints figures; it is not a test.
+serving the scratch database. SQL statements per run (the start and the worker's) are counted
+in an untimed pass after the rounds: runs of the same workflow, with inline continuation on and
+off, worked by a Celery worker in this process (thread pool) with SQLAlchemy's
+``before_cursor_execute`` counting every statement. This prints figures; it is not a test.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from typing import Any
 import click
 import redis
 from celery import Celery, chain
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, event, text
 
 from bench.common import prepare_database, private_redis, say
 from durable_celery import Durable
+from durable_celery.testing import worker as thread_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = {"plain": "plain Celery", "inline": "durable, inline on", "per_step": "durable, inline off"}
@@ -157,10 +160,25 @@ def produce(runs: int, make: Any) -> None:
         thread.join()
 
 
-def xact_commits(engine: Any, database: str) -> int:
-    with engine.connect() as conn:
-        query = text("SELECT xact_commit FROM pg_stat_database WHERE datname = :d")
-        return int(conn.execute(query, {"d": database}).scalar() or 0)
+def statements_per_run(broker: str, database_url: str, inline_steps: int, runs: int = 60) -> float:
+    """SQL statements per three-step run (its start and the worker's), counted with
+    ``before_cursor_execute`` while an in-process worker works ``runs`` runs."""
+    queue = f"count_{inline_steps}"
+    side = Bench(broker, database_url, queue, inline_steps)
+    count = [0]
+
+    def counted(*_: Any) -> None:
+        count[0] += 1
+
+    try:
+        with thread_worker(side.durable, concurrency=2, queues=[queue]):
+            side(5)  # the worker's first statements (its node row, schema checks) are not a run's
+            event.listen(side.durable.db.engine, "before_cursor_execute", counted)
+            side(runs)
+            event.remove(side.durable.db.engine, "before_cursor_execute", counted)
+    finally:
+        side.close()
+    return count[0] / runs
 
 
 @click.command()
@@ -212,12 +230,12 @@ def main(runs: int, concurrency: int, producers: int, rounds: int, database_url:
         for name, side in sides.items():
             say(f"warming up {SIDES[name]} (worker pid {workers[name].pid})")
             side(20)
-        results = {name: {"runs": 0, "seconds": 0.0, "cpu": 0.0, "server": 0.0, "xacts": 0} for name in SIDES}
+        results = {name: {"runs": 0, "seconds": 0.0, "cpu": 0.0, "server": 0.0} for name in SIDES}
         per_round = max(1, runs // rounds)
         for turn in range(1, rounds + 1):
             for name, side in sides.items():
                 pids, backends = worker_pids(workers[name].pid), backend_pids(admin, database)
-                cpu0, server0, xacts0 = cpu_of(pids), cpu_of(backends), xact_commits(admin, database)
+                cpu0, server0 = cpu_of(pids), cpu_of(backends)
                 seconds = side(per_round)
                 pids, backends = worker_pids(workers[name].pid), backend_pids(admin, database)
                 row = results[name]
@@ -225,9 +243,13 @@ def main(runs: int, concurrency: int, producers: int, rounds: int, database_url:
                 row["seconds"] += seconds
                 row["cpu"] += cpu_of(pids) - cpu0
                 row["server"] += cpu_of(backends) - server0
-                row["xacts"] += xact_commits(admin, database) - xacts0 - 1  # less the reading's own
                 shown = f"{per_round} runs in {seconds:.2f}s = {per_round / seconds:.1f}/s"
                 say(f"  round {turn}/{rounds}, {SIDES[name]}: {shown} (sent in {side.sent:.2f}s)")
+        say("counting SQL statements per run (untimed, a worker in this process)")
+        statements = {
+            "inline": statements_per_run(broker, database_url, 20),
+            "per_step": statements_per_run(broker, database_url, 0),
+        }
     say("")
     plain_rate = results["plain"]["runs"] / results["plain"]["seconds"]
     say(f"prefork workers, concurrency {concurrency}; {os.cpu_count()} CPUs; Redis; PostgreSQL")
@@ -236,9 +258,16 @@ def main(runs: int, concurrency: int, producers: int, rounds: int, database_url:
         rate = n / row["seconds"]
         say(
             f"{SIDES[name]:<20}: {rate:7.1f} runs/s ({rate / plain_rate:.2f}x plain); worker CPU"
-            f" {1000 * row['cpu'] / n:.2f} ms/run; PostgreSQL CPU {1000 * row['server'] / n:.2f} ms/run;"
-            f" {row['xacts'] / n:.2f} commits/run"
+            f" {1000 * row['cpu'] / n:.2f} ms/run; PostgreSQL CPU {1000 * row['server'] / n:.2f} ms/run"
+            + (f"; {statements[name]:.2f} statements/run" if name in statements else "")
         )
+    ratios = {name: results[name]["runs"] / results[name]["seconds"] / plain_rate for name in statements}
+    for label, met in (
+        (f"inline on >= 1.0 x plain: {ratios['inline']:.2f}", ratios["inline"] >= 1.0),
+        (f"inline off >= 0.6 x plain: {ratios['per_step']:.2f}", ratios["per_step"] >= 0.6),
+        (f"statements per run <= 6 with inline on: {statements['inline']:.2f}", statements["inline"] <= 6),
+    ):
+        say(f"target: {label}  {'met' if met else 'MISSED'}")
 
 
 def _stop(worker: subprocess.Popen[Any]) -> None:

@@ -16,6 +16,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from . import direct
 from .db import Clock, Database, constant, one_of
 from .schema import UNFINISHED, activity, keys, runs
 
@@ -59,7 +60,7 @@ def insert_run_with_key(db: Database, conn: Connection, run: dict[str, Any]) -> 
         return insert(runs).from_select(columns, chosen).returning(runs.c.id)
 
     stmt, params = db.bind("insert_run_with_key", runs.c, run, build)
-    return conn.execute(stmt, params).first() is not None
+    return direct.first(db, conn, stmt, params) is not None
 
 
 def start_or_answer(
@@ -127,7 +128,7 @@ def start_or_answer(
         )
 
     stmt, params = db.bind("start_or_answer", runs.c, run, build)
-    row = conn.execute(stmt, {**params, "p_kept": kept}).one()
+    row = direct.first(db, conn, stmt, {**params, "p_kept": kept})
     return row.created is not None, row.holder
 
 

@@ -26,6 +26,7 @@ from sqlalchemy import (
     update,
 )
 
+from . import direct
 from .db import Clock, Database, one_of, shape
 from .queue_rows import paused_exists
 from .schema import keys, queues, runs, steps
@@ -61,7 +62,7 @@ _HOLDS_KEY = select(keys.c.holder_id).where(keys.c.holder_id == runs.c.id).exist
 def insert_run_txn(db: Database, conn: Connection, values: dict[str, Any]) -> None:
     """Insert one run row (Clock values are times on the database's clock)."""
     stmt, params = db.bind("insert_run", runs.c, values, lambda sv: insert(runs).values(**sv))
-    conn.execute(stmt, params)
+    direct.first(db, conn, stmt, params)
 
 
 def fetch_run(conn: Connection, run_id: str, lock: bool = False) -> Row[Any] | None:
@@ -149,7 +150,7 @@ def claim_run(
 
     clocks = {"p_now": Clock(), **({"p_deadline": Clock(timeout)} if timeout else {})}
     params = {"p_id": run_id, "p_step": step_index, "p_node": node, **db.clock_params(clocks)}
-    return conn.execute(db.statement(("claim", bool(timeout), compensate), build), params).first()
+    return direct.first(db, conn, db.statement(("claim", bool(timeout), compensate), build), params)
 
 
 def run_held_by(conn: Connection, run_id: str, node_prefix: str) -> Any:
@@ -294,7 +295,7 @@ def record_step(
         **db.values_params("s_", step_row),
         **_go_on_params(db, go_on),
     }
-    return conn.execute(stmt, params).first()
+    return direct.first(db, conn, stmt, params)
 
 
 def step_recorded(

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 from celery import Celery
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 
 from durable_celery import Durable
 from durable_celery.relay import BrokerDown, relay_once
@@ -41,6 +41,17 @@ def relay_state(durable: Durable, run_id: str):
                 runs.c.id == run_id
             )
         ).first()
+
+
+def db_now(durable: Durable):
+    with durable.db.engine.connect() as conn:
+        return conn.execute(select(func.now())).scalar_one()
+
+
+def wait_past(durable: Durable, moment) -> None:
+    """Sleep until the database's clock has passed ``moment``."""
+    while (left := (moment - db_now(durable)).total_seconds()) >= 0:
+        time.sleep(left + 0.01)
 
 
 def _locked_by(durable: Durable, run_id: str):
@@ -75,16 +86,23 @@ def test_a_lost_message_is_sent_again_at_doubling_intervals_and_never_beside_its
     assert looked.resends == 0 and looked.resend_at is not None and looked.due_at == due_at
 
     redis_client.delete(queue)  # the broker lost it
-    time.sleep(0.6)
+    wait_past(durable, looked.resend_at)
+    before = db_now(durable)
     assert relay_once(durable) == 1 and redis_client.llen(queue) == 1
+    after = db_now(durable)
     sent = relay_state(durable, run_id)
     assert sent.resends == 1 and sent.due_at == due_at  # the run's age still counts from its due time
+    # The next re-send waits twice as long: 1 s from this one, on the database's clock.
+    assert before + timedelta(seconds=1) <= sent.resend_at <= after + timedelta(seconds=1)
 
     redis_client.delete(queue)
-    time.sleep(0.6)
-    assert relay_once(durable) == 0  # the second re-send waits twice as long (1 s)
-    time.sleep(0.6)
+    assert relay_once(durable) == 0  # lost again, but not due again yet
+    wait_past(durable, sent.resend_at)
+    before = db_now(durable)
     assert relay_once(durable) == 1 and relay_state(durable, run_id).resends == 2
+    after = db_now(durable)
+    third = relay_state(durable, run_id)
+    assert before + timedelta(seconds=2) <= third.resend_at <= after + timedelta(seconds=2)  # then 2 s
 
     # A queue no live worker consumes gets nothing again: its message waits there for one.
     with durable.db.begin() as conn:
