@@ -108,7 +108,8 @@ def _direct(db: Any, conn: Connection, stmt: Any) -> Compiled | None:
     engine = conn.engine
     # Statements are logged with echo=True, or with the "sqlalchemy.engine" logger at INFO
     # (which SQLAlchemy reads into the connection when it opens).
-    if not db.is_postgres or getattr(conn, "_echo", engine.echo):
+    echo: Any = getattr(conn, "_echo", engine.echo)
+    if not db.is_postgres or echo:
         return None
     dispatch = conn.dispatch  # the engine's listeners, the connection's and every Engine's
     if dispatch.before_cursor_execute or dispatch.after_cursor_execute:
