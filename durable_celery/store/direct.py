@@ -61,9 +61,8 @@ class Compiled:
         """The values to send: the fixed ones, then ``values``, each through its bind processor."""
         params = {**self.base, **values}
         for name, process in self.binds:
-            value = params[name]
-            if value is not None:
-                params[name] = process(value)
+            # None too, as SQLAlchemy does: a JSON column stores None as JSON null, not NULL.
+            params[name] = process(params[name])
         return params
 
     def make_row(self, cursor: Any, found: Any) -> Any:

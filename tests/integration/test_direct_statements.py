@@ -50,10 +50,25 @@ def define(durable: Any) -> Any:
         return {"total": sum(order["lines"]), "note": note, "nested": [{"a": None}, 1.5, True]}
 
     @wf.step
-    def second(order: dict[str, Any], note: str = "é ✓") -> str:
+    def second(**_: Any) -> None:  # recorded on a single() connection: None goes in as JSON null
+        return None
+
+    @wf.step
+    def third(order: dict[str, Any], note: str = "é ✓") -> str:
         return f"{len(order['lines'])}:{note}:{current_run().step}"
 
     return wf
+
+
+def stored(durable: Any, run_id: str) -> list[Any]:
+    """How the run's and its steps' JSON values are stored: SQL NULL or a JSON type."""
+    with durable.db.engine.connect() as conn:
+        query = """SELECT 'run', output IS NULL, jsonb_typeof(output), error IS NULL, NULL
+                   FROM durable_runs WHERE id = :i
+                   UNION ALL
+                   SELECT name, output IS NULL, jsonb_typeof(output), error IS NULL, logs IS NULL
+                   FROM durable_steps WHERE run_id = :i"""
+        return sorted(tuple(row) for row in conn.execute(text(query), {"i": run_id}))
 
 
 def run_once(durable: Any, wf: Any, key: str) -> dict[str, Any]:
@@ -66,7 +81,14 @@ def run_once(durable: Any, wf: Any, key: str) -> dict[str, Any]:
     run = durable.get_run(run_id)
     steps = [(s.step_index, s.name, s.status, s.attempt, s.output) for s in durable.list_steps(run_id)]
     keys = [k.holder_id == run_id for k in durable.list_keys(workflow="direct_wf") if k.key == key]
-    return {"status": run.status, "output": run.output, "input": run.input, "steps": steps, "keys": keys}
+    return {
+        "status": run.status,
+        "output": run.output,
+        "input": run.input,
+        "steps": steps,
+        "keys": keys,
+        "stored": stored(durable, run_id),
+    }
 
 
 def test_a_run_records_the_same_through_psycopg_as_through_sqlalchemy(make_durable):
@@ -86,8 +108,10 @@ def test_a_run_records_the_same_through_psycopg_as_through_sqlalchemy(make_durab
     assert any("durable_keys" in s and "ON CONFLICT" in s for s in watch.seen)  # the start, seen
     assert any(s.lstrip().startswith("UPDATE durable_runs") for s in watch.seen)  # the claims, seen
     assert direct_result["status"] == "completed"
-    assert direct_result["output"] == "3:é ✓:second" and direct_result["keys"] == [True]
+    assert direct_result["keys"] == [True] and direct_result["output"] == "3:é ✓:third"
     assert direct_result["steps"][0][4] == {"total": 6, "note": "é ✓", "nested": [{"a": None}, 1.5, True]}
+    assert direct_result["steps"][1][4] is None
+    assert ("second", False, "null", True, False) in direct_result["stored"]  # None output: JSON null
     assert direct_result == watched_result
 
 
