@@ -449,18 +449,21 @@ def _describe(app: Any, name: str, config: Any, entry: Any, row: Any) -> Schedul
 
 
 def _next_fire(app: Any, kwargs: dict[str, Any], entry: Any, row: Any) -> datetime | None:
+    # Not RedBeat's entry.due_at: it adds the time left *from now* to last_run_at, which is early
+    # by however long ago the last fire was (a restored entry could show a next fire in the past).
     if entry is not None:
-        due = entry.due_at
-        return aware(due) if due is not None else None
-    try:
-        sched, _ = parse_schedule(app, kwargs.get("schedule"))
-    except InvalidArgument:
-        return None
-    last = None if row is None else aware(row.last_fire_at or row.created_at)
+        sched, last = entry.schedule, entry.last_run_at
+    else:
+        try:
+            sched, _ = parse_schedule(app, kwargs.get("schedule"))
+        except InvalidArgument:
+            return None
+        last = None if row is None else row.last_fire_at or row.created_at
     now = utcnow()
     if last is None:
         return now
-    return max(now, now + sched.remaining_estimate(last))
+    left = sched.remaining_estimate(aware(last))
+    return None if left is None else max(now, now + left)
 
 
 def _ensure_row(durable: Durable, schedule: Schedule) -> None:

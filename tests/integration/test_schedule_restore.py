@@ -82,6 +82,23 @@ def test_doctor_reports_a_vanished_entry_and_fix_restores_it(redbeat_durable, re
     assert [s.name for s in durable.list_schedules()] == ["job:h", "minutely", "switched-off"]
 
 
+def test_a_restored_entry_shows_its_next_fire_counted_from_now(redbeat_durable, redis_client):
+    """Its next fire is the time left after its last fire, from now: never a time already past."""
+    durable = redbeat_durable
+    wf = define(durable)
+    durable.schedule(wf, 60, key="k", name="every-minute")
+    with durable.db.begin() as conn:  # fired 50 s ago: 10 s left of its minute
+        conn.execute(
+            update(schedules_table)
+            .where(schedules_table.c.name == "every-minute")
+            .values(last_fire_at=utcnow() - timedelta(seconds=50))
+        )
+    vanish(durable, redis_client, "every-minute")
+    assert restore_schedules_once(durable) == 1
+    nxt = durable.get_schedule("every-minute").next_fire_at
+    assert nxt is not None and utcnow() + timedelta(seconds=5) < nxt <= utcnow() + timedelta(seconds=10)
+
+
 def test_upkeep_restores_an_entry_and_a_missed_slot_fires_once(redbeat_durable, redis_client):
     from redbeat import RedBeatScheduler
 
