@@ -75,10 +75,13 @@ def test_doctor_reports_a_vanished_entry_and_fix_restores_it(redbeat_durable, re
     fixed = [f for f in durable.doctor(fix=True) if f.kind == "schedule_missing"]
     assert [(f.details["schedule"], f.fixed) for f in fixed] == [("minutely", True)]
     assert missing(durable) == []
+    before = utcnow()
     shown = durable.get_schedule("minutely")
     assert (shown.source, shown.key, shown.schedule, shown.enabled) == ("redbeat", "k", "* * * * *", True)
-    # Counted from its creation (it never fired): its next minute, not "due now".
-    assert shown.next_fire_at is not None and utcnow() < shown.next_fire_at <= utcnow() + timedelta(minutes=1)
+    # Counted from its creation (it never fired): its next minute, never a time already past
+    # (exactly now only if a minute began since it was created: then it is due).
+    nxt = shown.next_fire_at
+    assert nxt is not None and before <= nxt <= utcnow() + timedelta(minutes=1)
     assert [s.name for s in durable.list_schedules()] == ["job:h", "minutely", "switched-off"]
 
 
@@ -125,6 +128,7 @@ def test_upkeep_restores_an_entry_and_a_missed_slot_fires_once(redbeat_durable, 
     for _ in range(3):
         redbeat.tick()
     assert redis_client.llen(queue) == 1  # the missed minute, once; the hourly one waits its hour
+    before = utcnow()
     nxt = durable.get_schedule("minutely").next_fire_at
-    assert nxt is not None and utcnow() < nxt <= utcnow() + timedelta(minutes=1)
+    assert nxt is not None and before <= nxt <= utcnow() + timedelta(minutes=1)
     redis_client.delete(queue)
