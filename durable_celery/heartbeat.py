@@ -108,6 +108,10 @@ class ActiveStep:
                 continue
 
 
+# Seconds without a step to watch before the thread ends; the next step starts a new one.
+IDLE_EXIT = 5.0
+
+
 class Heartbeater:
     """One thread per process that heartbeats running steps and enforces their timeouts."""
 
@@ -137,12 +141,20 @@ class Heartbeater:
     def _loop(self) -> None:
         interval = self.engine.durable.settings.heartbeat_interval
         tick = min(0.25, interval / 4)
+        idle_since: float | None = None
         while True:
             self._wake.wait(tick)
             self._wake.clear()
+            now = time.monotonic()
             with self._lock:
                 watched = list(self.active)
-            now = time.monotonic()
+                if watched:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= IDLE_EXIT and self._thread is threading.current_thread():
+                    self._thread = None  # add() starts another; no thread ticks for an idle process
+                    return
             for step in watched:
                 try:
                     beat = self._check(step, now, interval)

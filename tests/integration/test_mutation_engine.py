@@ -1371,6 +1371,32 @@ def test_a_compensation_that_waits_fails_its_attempt_saying_so(durable):
     ]
 
 
+def test_the_heartbeat_thread_ends_when_idle_and_the_next_step_starts_another(durable, monkeypatch):
+    """An idle process keeps no thread waking to heartbeat nothing; timeouts hold after a restart."""
+    from durable_celery import heartbeat
+
+    monkeypatch.setattr(heartbeat, "IDLE_EXIT", 0.2)
+    wf = durable.workflow("beats_then_idles")
+
+    @wf.step(timeout=0.3)
+    def crawl(slow):
+        deadline = time.monotonic() + (10 if slow else 0)
+        while time.monotonic() < deadline:  # stopped by the heartbeat thread at its timeout
+            time.sleep(0.01)
+        return threading.current_thread().name
+
+    beats = durable.engine.heartbeater
+    assert durable.run_message("beats_then_idles", 0, durable.start(wf, {"slow": False})) == "completed"
+    first = beats._thread
+    assert first is not None
+    first.join(timeout=10)  # nothing to watch: the thread ends by itself
+    assert not first.is_alive() and beats._thread is None
+    run_id = durable.start(wf, {"slow": True})
+    assert durable.run_message("beats_then_idles", 0, run_id) == "failed"  # a new thread enforced it
+    assert durable.list_steps(run_id)[0].error["type"] == "StepTimeout"
+    assert beats._thread is not None and beats._thread is not first
+
+
 def test_a_step_past_its_timeout_fails_the_attempt_naming_the_timeout(durable):
     wf = durable.workflow("too_slow")
 
