@@ -110,7 +110,7 @@ class Durable:
 
         broker_reconnect.install(app)  # workers outlive a broker restart (Celery 5.7.0)
         upkeep.install(self)
-        rollout.install(self)
+        self._unknown_steps = rollout.install(self)
         schedule_fires.install(self)
         _live.add(self)
         for workflow in _shared:

@@ -51,6 +51,9 @@ BATCH = 500  # messages per kombu batch (one pipeline round trip on Redis)
 # the broker, for a fraction of the CPU per message.
 LINGER = 0.002
 EXIT_FLUSH_SECONDS = 30.0
+# The thread ends after this long with nothing to send (the next ``send_soon`` starts another),
+# so an idle process, or a discarded ``Durable``, keeps no thread (nor the app it refers to).
+IDLE_EXIT = 5.0
 
 
 @dataclass(frozen=True)
@@ -245,9 +248,15 @@ class Publisher:
         while True:
             with cond:
                 self._idle = True
-                cond.wait_for(lambda: self._queue or self._stopping or cond is not self._cond)
+                woken = cond.wait_for(
+                    lambda: self._queue or self._stopping or cond is not self._cond, IDLE_EXIT
+                )
                 self._idle = False
                 if cond is not self._cond or (self._stopping and not self._queue):
+                    return
+                if not woken:  # idle: hand over to the thread the next send_soon starts
+                    if self._thread is threading.current_thread():
+                        self._thread = None
                     return
                 self._linger(cond)
                 batch = self._take()

@@ -98,10 +98,16 @@ def fail_changed(durable: Durable, run_id: str, workflow: str, step: str, index:
     return done
 
 
-def install(durable: Durable) -> None:
-    """Answer unknown durable step messages that reach this app's workers."""
+class _UnknownSteps:
+    """Answers unknown durable step messages for one Durable; held by it, so the signal's weak
+    reference lets a discarded Durable go."""
 
-    def on_unknown(sender: Any = None, message: Any = None, name: str = "", **_: Any) -> None:
+    def __init__(self, durable: Durable) -> None:
+        self.durable = durable
+
+    def on_unknown(self, sender: Any = None, message: Any = None, name: str = "", **_: Any) -> None:
+        """Hand an unknown step message of this app back to its run (``task_unknown``)."""
+        durable = self.durable
         if getattr(sender, "app", None) is not durable.app or not name.startswith(PREFIX):
             return
         try:
@@ -111,4 +117,10 @@ def install(durable: Durable) -> None:
         except Exception:  # never let this break the consumer; the relay sends it again later
             log.exception("durable: could not hand back unknown step message %s", name)
 
-    celery_signals.task_unknown.connect(on_unknown, weak=False)
+
+def install(durable: Durable) -> _UnknownSteps:
+    """Answer unknown durable step messages that reach this app's workers (the Durable keeps
+    the handler returned: the signal holds it weakly)."""
+    handler = _UnknownSteps(durable)
+    celery_signals.task_unknown.connect(handler.on_unknown)
+    return handler

@@ -282,3 +282,34 @@ def test_a_starts_message_leaves_from_the_publisher_thread_unless_told_otherwise
     assert sent_run_ids(redis_client, queue) == [run_id]
     redis_client.delete(queue)
     durable.db.dispose()
+
+
+def test_an_idle_publisher_thread_ends_and_the_next_start_brings_another(pg_url, redis_client, monkeypatch):
+    import gc
+    import weakref
+
+    from durable_celery import publisher
+
+    monkeypatch.setattr(publisher, "IDLE_EXIT", 0.2)
+    queue = queue_name()
+    durable = make(pg_url, REDIS_URL, queue)
+    first_run = durable.start("ship", {"order": 1}, key="first")
+    first = durable.publisher._thread
+    assert first is not None
+    first.join(timeout=10)  # nothing more to send: the thread ends by itself
+    assert not first.is_alive() and durable.publisher._thread is None
+    second_run = durable.start("ship", {"order": 2}, key="second")
+    second = durable.publisher._thread
+    assert second is not None and second is not first
+    assert durable.flush(timeout=10)
+    assert sorted(sent_run_ids(redis_client, queue)) == sorted([first_run, second_run])
+    second.join(timeout=10)
+    assert not second.is_alive()
+    # With its thread gone, nothing of this process keeps a discarded Durable alive.
+    redis_client.delete(queue)
+    durable.db.dispose()
+    gone = weakref.ref(durable.publisher)
+    del durable
+    Celery("next")  # becomes Celery's current app, which it holds (as it held the last one)
+    gc.collect()
+    assert gone() is None
