@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, String, any_, bindparam, delete, exists, func, or_, select
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import Connection, delete, exists, func, or_, select
 
 from .db import Database
 from .schema import FINISHED, UNFINISHED, events, keys, runs, steps
@@ -41,30 +40,31 @@ def delete_finished_batch_txn(
         chosen = select(runs.c.id).where(*_old_finished(db, statuses, older_than)).limit(limit)
         deleted = int(conn.execute(delete(runs).where(runs.c.id.in_(chosen.scalar_subquery()))).rowcount)
         return deleted, deleted
+    # One statement, so no id travels to the client and back: pick and lock the runs, lock the
+    # key rows of those holding keys, delete the runs that hold none or whose key row is locked.
     holds = exists().where(keys.c.holder_id == runs.c.id).label("holds")
-    picked = conn.execute(
+    picked = (
         select(runs.c.id, holds)
         .where(*_old_finished(db, statuses, older_than))
         .limit(limit)
         .with_for_update(of=runs, skip_locked=True)
-    ).all()
-    held = [r.id for r in picked if r.holds]
-    locked: set[str] = set()
-    if held:
-        query = (
-            select(keys.c.holder_id).where(keys.c.holder_id == _any_id()).with_for_update(skip_locked=True)
+        .cte("picked")
+    )
+    locked = (
+        select(keys.c.holder_id)
+        .where(keys.c.holder_id.in_(select(picked.c.id).where(picked.c.holds)))
+        .with_for_update(skip_locked=True)
+        .cte("locked")
+    )
+    chosen = select(picked.c.id).where(or_(~picked.c.holds, picked.c.id.in_(select(locked.c.holder_id))))
+    gone = delete(runs).where(runs.c.id.in_(chosen)).returning(runs.c.id).cte("gone")
+    row = conn.execute(
+        select(
+            select(func.count()).select_from(gone).scalar_subquery(),
+            select(func.count()).select_from(picked).scalar_subquery(),
         )
-        locked = set(conn.execute(query, {"ids": held}).scalars())
-    ids = [r.id for r in picked if not r.holds or r.id in locked]
-    if not ids:
-        return 0, len(picked)
-    deleted = conn.execute(delete(runs).where(runs.c.id == _any_id()), {"ids": ids}).rowcount
-    return int(deleted), len(picked)
-
-
-def _any_id() -> Any:
-    # One array parameter rather than 5,000 (PostgreSQL only).
-    return any_(bindparam("ids", type_=ARRAY(String)))
+    ).one()
+    return int(row[0]), int(row[1])
 
 
 def count_finished(
