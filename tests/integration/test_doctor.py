@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -207,6 +208,9 @@ def test_doctor_knows_a_parent_waiting_for_children(durable):
         wait_for(durable, parent_id, statuses=("waiting",))
         (kid,) = durable.list_children(parent_id)
         wait_for(durable, kid.id, statuses=("waiting",))
+        # A parent that parks while its child's row is locked (the child being claimed) is made
+        # due at once and parks again: wait until it is parked for good before the worker stops.
+        _until_parked(durable, parent_id)
     assert durable.doctor() == []  # waiting for a child that is still going: nothing wrong
     with durable.db.begin() as conn:  # the child finished, but the parent's wake-up was lost
         conn.execute(update(runs).where(runs.c.id == kid.id).values(status="completed", finished_at=utcnow()))
@@ -216,6 +220,20 @@ def test_doctor_knows_a_parent_waiting_for_children(durable):
     assert durable.get_run(parent_id).status == "waiting"
     # Woken, it is ready on a queue no worker consumes now: that is all that is left.
     assert [f.kind for f in durable.doctor()] == ["no_consumer"]
+
+
+def _until_parked(durable, run_id, seconds=20.0):
+    """Poll until the run is waiting with no due time (parked, nothing to do until woken)."""
+    from sqlalchemy import select
+
+    deadline = time.monotonic() + seconds
+    while True:
+        with durable.db.engine.connect() as conn:
+            row = conn.execute(select(runs.c.status, runs.c.due_at).where(runs.c.id == run_id)).one()
+        if row.status == "waiting" and row.due_at is None:
+            return
+        assert time.monotonic() < deadline, f"run {run_id} is {row.status}, due {row.due_at}"
+        time.sleep(0.05)
 
 
 def current_run_wait(name):
