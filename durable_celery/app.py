@@ -93,7 +93,9 @@ class Durable:
         self.on_new_task: list[Callable[[], None]] = []
         self.workflows: dict[str, Workflow] = {}
         self.engine = Engine(self)
-        self.publisher = Publisher(app, self._flag_unsent, self.settings.publish_retries)
+        self.publisher = Publisher(
+            app, self._flag_unsent, self.settings.publish_retries, self.settings.publish_linger
+        )
         self.stats = Stats(self)
         if self.settings.stale_lock_timeout < 3 * self.settings.heartbeat_interval:
             log.warning(

@@ -36,6 +36,9 @@ class Settings:
     # A start hands its message to a background thread instead of sending it before returning
     # (publisher.py); the run row is the outbox either way.
     publish_in_background: bool = True
+    # While starts keep coming, the background thread waits up to this long (seconds) for more
+    # before it sends, so one Redis round trip carries them; 0 sends each as soon as it can.
+    publish_linger: float = 0.02
     shutdown_grace_period: float = 15.0
     missing_code_retry: float = 30.0
     upkeep: bool = True
@@ -107,6 +110,7 @@ class Settings:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
         _check_inline_steps(settings.inline_steps)
+        _check_publish_linger(settings.publish_linger)
         limit = settings.schedule_max_failures
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
@@ -122,6 +126,11 @@ class Settings:
 def _check_inline_steps(steps: Any) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise InvalidDefinition(f"inline_steps must be an int >= 0, not {steps!r}")
+
+
+def _check_publish_linger(linger: Any) -> None:
+    if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not 0 <= linger <= 1:
+        raise InvalidDefinition(f"publish_linger must be a number of seconds from 0 to 1, not {linger!r}")
 
 
 def _check_metrics_addr(addr: Any) -> None:

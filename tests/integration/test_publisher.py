@@ -313,3 +313,36 @@ def test_an_idle_publisher_thread_ends_and_the_next_start_brings_another(pg_url,
     Celery("next")  # becomes Celery's current app, which it holds (as it held the last one)
     gc.collect()
     assert gone() is None
+
+
+def test_a_steady_stream_goes_out_in_batches_and_a_lone_start_at_once(pg_url, redis_client):
+    queue = queue_name()
+    durable = make(pg_url, REDIS_URL, queue, publish_linger=1.0)  # long, so the test reads it plainly
+    sizes: list[tuple[float, int]] = []
+    send = durable.publisher._send_batch
+
+    def counted(batch):
+        sizes.append((time.monotonic(), len(batch)))
+        return send(batch)
+
+    durable.publisher._send_batch = counted
+    began = time.monotonic()
+    lone = durable.start("ship", {"order": 0}, key="lone")
+    while not sizes:
+        assert time.monotonic() - began < 10, "the lone start was never sent"
+        time.sleep(0.005)
+    assert sizes[0][1] == 1 and sizes[0][0] - began < 0.9  # a start after a quiet spell: at once
+    stream = [durable.start("ship", {"order": n}, key=f"s-{n}") for n in range(1, 31)]
+    assert durable.flush(timeout=10)
+    assert sum(n for _, n in sizes[1:]) == 30 and len(sizes) - 1 <= 3  # they shared round trips
+    assert sorted(sent_run_ids(redis_client, queue)) == sorted([lone, *stream])
+    redis_client.delete(queue)
+    durable.db.dispose()
+
+
+@pytest.mark.parametrize("linger", [-0.1, 2, "0.02", True])
+def test_publish_linger_outside_0_to_1_second_is_refused(linger):
+    from durable_celery.errors import InvalidDefinition
+
+    with pytest.raises(InvalidDefinition, match="publish_linger"):
+        Durable(Celery("bad"), "sqlite://", publish_linger=linger)
