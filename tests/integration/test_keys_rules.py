@@ -359,18 +359,24 @@ def test_debounce_timeout_caps_the_wait_and_later_starts_are_ordinary_duplicates
 
     with worker(durable):
         first = durable.start(wf, {"rev": 0}, key="k")
-        rev, ids = 0, {first}
-        deadline = time.monotonic() + 3.5
+        rev, ids, saved = 0, {first}, [time.monotonic()]
+        deadline = saved[0] + 3.5
         while time.monotonic() < deadline:  # saves keep coming every 0.1 s, longer than the cap
             rev += 1
             ids.add(durable.start(wf, {"rev": rev}, key="k"))
+            saved.append(time.monotonic())
             time.sleep(0.1)
         run = wait_for(durable, first)
         for run_id in ids:
             wait_for(durable, run_id)
     # the first run started within the cap, with an input from before it was claimed
     waited = (run.started_at - run.created_at).total_seconds()
-    assert 2.0 <= waited < 2.0 + 1.5
+    assert waited < 2.0 + 1.5
+    # Before the claim, did a save come later than the period after the one before (a start
+    # held up that long by a loaded machine)? Then the run rightly started before the cap.
+    gaps = [b - a for a, b in zip(saved, saved[1:], strict=False) if b - saved[0] <= waited]
+    if max(gaps, default=0.0) < 0.9:
+        assert waited >= 2.0, (waited, max(gaps, default=0.0))
     assert run.output == ran[0] and 0 < ran[0] < rev
     outcomes = {a.details["outcome"] for a in durable.activity(kinds=["key_duplicate"])}
     assert {"debounced", "use_existing"} <= outcomes
