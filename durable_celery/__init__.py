@@ -2,12 +2,13 @@
 
 from .app import Durable, durable_workflow
 from .capabilities import Capability
-from .context import RunContext, current_run
+from .core.context import RunContext, current_run
 from .definition import SendEvent, Step, Workflow
 from .errors import (
     ChildFailed,
     DatabaseUnavailable,
     DurableError,
+    EventTimeout,
     InvalidArgument,
     InvalidDefinition,
     InvalidKey,
@@ -23,6 +24,7 @@ from .errors import (
     StepTimeout,
     UnknownWorkflow,
     Unsupported,
+    WorkerLost,
 )
 from .models import Run, StepRecord
 from .schedules import Schedule
@@ -42,6 +44,7 @@ __all__ = [
     "StepRecord",
     "Schedule",
     "DurableError",
+    "EventTimeout",
     "ChildFailed",
     "DatabaseUnavailable",
     "InvalidArgument",
@@ -59,4 +62,5 @@ __all__ = [
     "StepTimeout",
     "UnknownWorkflow",
     "Unsupported",
+    "WorkerLost",
 ]

@@ -1,17 +1,16 @@
-"""Workflow and Step definitions, and the validation of their options."""
+"""Workflow and Step definitions, the validation of their options, and the ``Registry`` that
+holds one Durable's workflows by name."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .errors import InvalidDefinition, InvalidKey, InvalidStart
-
-if TYPE_CHECKING:
-    from .app import Durable
+from .errors import InvalidDefinition, InvalidKey, InvalidStart, NotConfigured, UnknownWorkflow
 
 REUSE = ("after_close", "after_failure", "never")
 ON_DUPLICATE = ("use_existing", "error", "cancel_existing", "run_again")
@@ -168,6 +167,18 @@ def accepts_of(fn: Callable[..., Any], who: str) -> list[Accepts]:
     return [Accepts(who, frozenset(names), frozenset(required), any_field)]
 
 
+@dataclass(frozen=True, eq=False)
+class ParallelGroup:
+    """The function of a parallel step: the engine starts its branches as child runs, each
+    with the run's input, and goes on when all completed (``children.fan_out``)."""
+
+    branches: dict[str, Workflow]
+    fail_fast: bool
+
+    def __call__(self, **_input: Any) -> None:
+        raise InvalidDefinition("a parallel step runs its branches inside a durable run, not as a call")
+
+
 @dataclass
 class Step:
     """One step of a workflow: a function run as its own Celery task."""
@@ -208,7 +219,8 @@ class Workflow:
     # Extra metadata for every log line a step logs: a callable on the run input returning a dict.
     log_metadata: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
     steps: list[Step] = field(default_factory=list)
-    durable: Durable | None = None
+    # The registry of the Durable it was defined on (None: shared, or not yet bound).
+    registry: Registry | None = field(default=None, repr=False)
     shared: bool = False
     # One-step workflows that parallel step groups run as branches (see ``parallel``).
     branches: list[Workflow] = field(default_factory=list, repr=False)
@@ -299,14 +311,12 @@ class Workflow:
             accepts=accepts,
         )
         self.steps.append(step)
-        if self.durable is not None:
-            self.durable._register_step(self, step)
+        if self.registry is not None:
+            self.registry.add_step(self, step)
         elif self.shared:
-            from .app import live_durables
-
-            for durable in live_durables():
-                if self.name in durable.workflows:
-                    durable._register_step(self, step)
+            for registry in list(_live):
+                if registry.workflows.get(self.name) is self:
+                    registry.add_step(self, step)
 
     def parallel(
         self,
@@ -337,19 +347,11 @@ class Workflow:
             branch._add_step(fn, None, retry, None, None, timeout, None)
             branches[fn.__name__] = branch
         self.branches.extend(branches.values())
-        if self.durable is not None:
+        if self.registry is not None:
             for branch in branches.values():
-                self.durable._register_workflow(branch)
+                self.registry.register(branch)
 
-        def fan_out(**_input: Any) -> None:
-            from .children import parallel
-            from .context import current_run
-
-            run = current_run()
-            calls = {b: (wf, run.input) for b, wf in branches.items()}
-            run.context.update(parallel(run, calls, fail_fast, context=run.context))
-
-        self._add_step(fan_out, group, 1, queue, None, None, None)
+        self._add_step(ParallelGroup(branches, fail_fast), group, 1, queue, None, None, None)
         # Each branch gets the run's input: the fan-out step accepts what every branch accepts.
         self.steps[-1].accepts = [
             replace(accepts, who=f"parallel branch {name!r} of step {group!r}")
@@ -363,8 +365,8 @@ class Workflow:
             raise TypeError("a workflow decorates one function, its first step")
         if self.name is None:
             self.name = fn.__name__
-            if self.durable is not None:
-                self.durable._register_workflow(self)
+            if self.registry is not None:
+                self.registry.register(self)
         self._add_step(fn, None, 1, None, None, None, None)
         self.__doc__ = fn.__doc__
         return self
@@ -380,17 +382,19 @@ class Workflow:
         connection: Any = None,
     ) -> str:
         """Start a run of this workflow; returns the run id (see ``Durable.start``)."""
-        return self.bound().start(self, input, key=key, on_duplicate=on_duplicate, connection=connection)
+        registry = self.bound()
+        if registry.starter is None:
+            raise NotConfigured(f"workflow {self.name!r} belongs to a Durable that cannot start runs")
+        return registry.starter.start(self, input, key=key, on_duplicate=on_duplicate, connection=connection)
 
-    def bound(self) -> Durable:
-        """The ``Durable`` this workflow belongs to, or NotConfigured."""
-        if self.durable is not None:
-            return self.durable
-        from .app import durable_for_current_app
-
-        durable = durable_for_current_app()
-        durable.adopt(self)
-        return durable
+    def bound(self) -> Registry:
+        """The registry of the Durable this workflow belongs to: its own, or for a shared
+        workflow the current Celery app's (like ``shared_task``); NotConfigured if none."""
+        if self.registry is not None:
+            return self.registry
+        registry = current_registry()
+        registry.adopt(self)
+        return registry
 
     def derive_key(self, data: dict[str, Any], key: Any) -> str | None:
         """The run's key: the one given, else the workflow's template or callable on the input."""
@@ -457,3 +461,123 @@ def _check_seconds(what: str, value: Any) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise InvalidDefinition(f"{what} must be a positive number of seconds, not {value!r}")
+
+
+# -- the registry ---------------------------------------------------------------------------
+
+
+class Starter(Protocol):
+    """What starts a run of a workflow (``core.runs.Starter``)."""
+
+    def start(
+        self,
+        workflow: str | Workflow,
+        input: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        on_duplicate: str | SendEvent | None = None,
+        connection: Any = None,
+    ) -> str:
+        """Start a run; returns its id or the key's holder's."""
+        ...
+
+
+# Every live registry (one per Durable), and the workflows defined with durable_workflow that
+# each of them learns.
+_live: weakref.WeakSet[Registry] = weakref.WeakSet()
+_shared: list[Workflow] = []
+
+
+class Registry:
+    """The workflows of one Durable by name. ``on_step`` is told of every step added (it makes
+    the step's Celery task); ``starter`` starts runs for ``Workflow.start``."""
+
+    def __init__(self, on_step: Callable[[Workflow, Step], None] | None = None) -> None:
+        self.workflows: dict[str, Workflow] = {}
+        self.on_step = on_step
+        self.starter: Starter | None = None
+        _live.add(self)
+
+    def define(self, name: str | Callable[..., Any] | None = None, **options: Any) -> Workflow:
+        """A new workflow of this registry; as a decorator on a function it is the first step."""
+        if callable(name):
+            return Workflow(registry=self)(name)
+        workflow = Workflow(name=name, registry=self, **options)
+        if name is not None:
+            self.register(workflow)
+        return workflow
+
+    def register(self, workflow: Workflow) -> None:
+        """Add a named workflow (and its parallel branches); InvalidDefinition if the name is taken."""
+        assert workflow.name is not None
+        existing = self.workflows.get(workflow.name)
+        if existing is not None and existing is not workflow:
+            raise InvalidDefinition(f"a workflow named {workflow.name!r} is already defined")
+        self.workflows[workflow.name] = workflow
+        for step in workflow.steps:
+            self.add_step(workflow, step)
+        for branch in workflow.branches:
+            if branch.name not in self.workflows:
+                branch.registry = workflow.registry
+                self.register(branch)
+
+    def add_step(self, workflow: Workflow, step: Step) -> None:
+        """A step was added to one of these workflows: tell ``on_step``."""
+        if self.on_step is not None:
+            self.on_step(workflow, step)
+
+    def adopt(self, workflow: Workflow) -> None:
+        """Make sure a shared workflow is known here (used by ``Workflow.start``)."""
+        if workflow.name not in self.workflows:
+            self.register(workflow)
+
+    def adopt_shared(self) -> None:
+        """Learn every workflow defined so far with ``durable_workflow``."""
+        for workflow in _shared:
+            if workflow.name is not None:
+                self.register(workflow)
+
+    def resolve(self, workflow: str | Workflow) -> Workflow:
+        """The workflow a name or definition stands for here; UnknownWorkflow if none."""
+        if isinstance(workflow, Workflow):
+            if workflow.name is None:
+                raise UnknownWorkflow("this workflow has no name (decorate a function or pass name=)")
+            known = self.workflows.get(workflow.name)
+            if known is None and workflow.registry is None:
+                self.register(workflow)
+            elif known is not workflow:
+                raise UnknownWorkflow(f"workflow {workflow.name!r} belongs to another Durable")
+            resolved = workflow
+        elif isinstance(workflow, str) and workflow in self.workflows:
+            resolved = self.workflows[workflow]
+        else:
+            raise UnknownWorkflow(f"no workflow named {workflow!r} is defined")
+        if not resolved.steps:
+            raise UnknownWorkflow(f"workflow {resolved.name!r} has no steps")
+        return resolved
+
+
+def share(workflow: Workflow) -> None:
+    """Make a workflow known to every Durable, now and later (``durable_workflow``)."""
+    workflow.shared = True
+    _shared.append(workflow)
+    for registry in list(_live):
+        registry.register(workflow)
+
+
+def current_registry() -> Registry:
+    """The registry of the Durable bound to Celery's current app, or NotConfigured.
+
+    The one place below ``app.py`` that looks at Celery: the ``shared_task``-style lookup of a
+    shared workflow's Durable (``Durable.__init__`` sets ``app._durable_registry``).
+    """
+    from celery import current_app
+
+    app = current_app._get_current_object()
+    registry = getattr(app, "_durable_registry", None)
+    if registry is None:
+        raise NotConfigured(
+            f"no Durable is configured for Celery app {app.main!r}: create Durable(app) "
+            "before starting workflows defined with durable_workflow"
+        )
+    return registry  # type: ignore[no-any-return]

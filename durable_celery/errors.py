@@ -113,6 +113,10 @@ class WorkerLost(DurableError):
     """The process running a step died (killed, out of memory): the attempt is used."""
 
 
+class EventTimeout(DurableError):
+    """A wait for an event (or input) timed out and no ``timeout_value`` was given."""
+
+
 __all__ = [
     "DurableError",
     "NotConfigured",
@@ -133,4 +137,5 @@ __all__ = [
     "StepTimeout",
     "ChildFailed",
     "WorkerLost",
+    "EventTimeout",
 ]

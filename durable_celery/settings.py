@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
-from celery import Celery
-
-from .errors import InvalidDefinition
-from .prune import check_rules as check_prune_rules
+from .errors import InvalidArgument, InvalidDefinition
 from .store.db import masked_url
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 EMBEDDED_HOME = ".durable"
 
@@ -141,3 +143,72 @@ def _check_metrics_addr(addr: Any) -> None:
 def _check_max_input_bytes(size: Any) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise InvalidDefinition(f"max_input_bytes must be a positive int of bytes, not {size!r}")
+
+
+# -- the prune= rules (prune.py applies them) --------------------------------------------------
+
+# A rule name and the statuses it covers: "failed" stands for every unsuccessful ending.
+RULES: dict[str, tuple[str, ...]] = {
+    "completed": ("completed",),
+    "cancelled": ("cancelled",),
+    "failed": ("failed", "compensated", "compensation_failed"),
+}
+_UNITS = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
+_SECONDS = re.compile(r"\d+(?:\.\d+)?")  # a bare number is seconds, in text too (``--older-than 30``)
+
+
+def parse_duration(value: Any, what: str = "duration") -> timedelta:
+    """A positive duration from a timedelta, seconds (a number, or text like ``30``), or text like
+    ``30d``, ``12h``, ``1d6h``."""
+    seconds: float | None = None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if _SECONDS.fullmatch(text):
+            seconds = float(text)
+        elif text and _PART.sub("", text) == "":
+            seconds = sum(float(n) * _UNITS[u] for n, u in _PART.findall(text))
+    if seconds is None:
+        raise InvalidArgument(
+            f"{what} must be a timedelta, a number of seconds (30) or text like '30d', '12h', '90m', "
+            f"'45s' or '2w', not {value!r}"
+        )
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidArgument(f"{what} must be positive, not {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def format_duration(age: timedelta) -> str:
+    """A duration as short text, the way :func:`parse_duration` reads it (``1d12h``)."""
+    left, parts = age.total_seconds(), []
+    for unit in "dhm":
+        n, left = divmod(left, _UNITS[unit])
+        if n:
+            parts.append(f"{int(n)}{unit}")
+    if left or not parts:
+        parts.append(f"{left:g}s")
+    return "".join(parts)
+
+
+def check_prune_rules(rules: Any) -> dict[str, timedelta] | None:
+    """The ``prune=`` setting checked and normalized: rule name -> age (None when off)."""
+    if rules is None or rules == {}:
+        return None
+    if not isinstance(rules, Mapping):
+        raise InvalidDefinition(
+            f"prune must be a dict like {{'completed': timedelta(days=7)}}, not {rules!r}"
+        )
+    unknown = set(rules) - set(RULES)
+    if unknown:
+        raise InvalidDefinition(
+            f"unknown prune rule(s) {', '.join(map(repr, sorted(map(str, unknown))))}; "
+            f"use {', '.join(RULES)} ('failed' covers failed, compensated, compensation_failed)"
+        )
+    try:
+        return {name: parse_duration(age, f"prune[{name!r}]") for name, age in rules.items()}
+    except InvalidArgument as exc:
+        raise InvalidDefinition(str(exc)) from None

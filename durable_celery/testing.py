@@ -4,7 +4,10 @@
 * ``Fake``: a ``Durable`` on the in-memory store whose steps run in the calling thread when
   told (``run_until_idle()``), on a clock the test moves (``advance(seconds)``);
 * eager mode: ``app.conf.task_always_eager = True`` and ``start()`` runs the run's steps;
-* ``worker(durable)``: a real Celery worker in this process, and ``wait_for`` a run's end.
+* ``worker(durable)``: a real Celery worker in this process, and ``wait_for`` a run's end;
+
+and ``RecordingOutbox``, given as ``Durable(app, url, outbox=RecordingOutbox())``: the step
+messages a Durable would send, recorded instead of sent.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -25,14 +28,82 @@ from kombu.asynchronous import set_event_loop
 
 from .app import Durable
 from .capabilities import Capability, require
-from .context import RunContext, enter, leave
+from .core.context import RunContext, enter, leave
+from .core.eager import MAX_STEPS, run_due, sweep
 from .definition import Workflow
 from .errors import InvalidArgument
-from .inline import MAX_STEPS, run_due, sweep
 from .models import Run
 from .store.schema import FINISHED
 
 WAKE_TASK = "durable.testing.wake"
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One step message handed to a ``RecordingOutbox``."""
+
+    workflow: str
+    step_index: int
+    run_id: str
+    attempt: int
+    key: str | None
+    compensate: bool = False
+
+
+class RecordingOutbox:
+    """An outbox that records every step message instead of sending it.
+
+    ``accept`` (a function of the ``Sent``) says whether the broker would take it: False stands
+    for a broker that refused it, and the run is then left for the relay, as it would be.
+    """
+
+    def __init__(self, accept: Callable[[Sent], bool] | None = None) -> None:
+        self.sent: list[Sent] = []
+        self.accept = accept
+        self.inline = False
+        self._lock = threading.Lock()
+
+    @property
+    def eager(self) -> bool:
+        """Never eager: recorded messages run nowhere."""
+        return False
+
+    def send(
+        self,
+        workflow: Workflow,
+        step_index: int,
+        run_id: str,
+        attempt: int,
+        key: str | None,
+        compensate: bool = False,
+    ) -> bool:
+        """Record one step's message; whether it was "sent" is ``accept``'s answer (True)."""
+        return self._record(Sent(workflow.name or "", step_index, run_id, attempt, key, compensate))
+
+    def send_named(
+        self, workflow: str, run_id: str, step_index: int, attempt: int, key: str | None, soon: bool = False
+    ) -> bool:
+        """Record one step's message of the named workflow."""
+        return self._record(Sent(workflow, step_index, run_id, attempt, key))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Nothing waits to be sent: True."""
+        return True
+
+    def run_ids(self) -> list[str]:
+        """The run ids of the messages recorded, in order."""
+        with self._lock:
+            return [sent.run_id for sent in self.sent]
+
+    def clear(self) -> None:
+        """Forget what was recorded."""
+        with self._lock:
+            self.sent.clear()
+
+    def _record(self, sent: Sent) -> bool:
+        with self._lock:
+            self.sent.append(sent)
+        return True if self.accept is None else bool(self.accept(sent))
 
 
 @contextmanager
@@ -191,7 +262,7 @@ class Fake(Durable):
         """Make workflows defined on another Durable (the app's own) known here by name."""
         for workflow in workflows:
             if self.workflows.get(workflow.name or "") is not workflow:
-                self._register_workflow(workflow)
+                self.registry.register(workflow)
 
     def now(self) -> datetime:
         """The Fake's current time."""
@@ -203,7 +274,7 @@ class Fake(Durable):
 
     def run_until_idle(self, max_steps: int = MAX_STEPS) -> int:
         """Run every due step, and the upkeep sweeps, until nothing is due; returns the steps run."""
-        return run_due(self, max_steps=max_steps)
+        return run_due(self.engine, max_steps=max_steps)
 
     @contextmanager
     def running(self, poll: float = 0.01) -> Iterator[Fake]:
@@ -214,7 +285,7 @@ class Fake(Durable):
         def loop(work: Any) -> None:
             while not stop.is_set():
                 try:
-                    if not work(self):
+                    if not work():
                         stop.wait(poll)
                 except Exception as exc:  # a bug in the library, not a failed step: make it loud
                     failed.append(exc)
@@ -224,7 +295,10 @@ class Fake(Durable):
         # Steps in one thread; the sweeps (workflow timeouts...) beside them, as upkeep does.
         threads = [
             threading.Thread(target=loop, args=(work,), name=f"durable-fake-{name}", daemon=True)
-            for name, work in (("runner", run_due), ("sweeper", sweep))
+            for name, work in (
+                ("runner", lambda: run_due(self.engine)),
+                ("sweeper", lambda: sweep(self.runtime)),
+            )
         ]
         for thread in threads:
             thread.start()

@@ -476,8 +476,7 @@ def _create_schema(conn: Connection) -> None:
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
-    from .migrate import SCRIPTS, VERSION_TABLE
-    from .schema import metadata
+    from .schema import SCRIPTS, VERSION_TABLE, metadata
 
     context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
     if context.get_current_revision() is not None:

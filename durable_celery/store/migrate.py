@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
@@ -11,9 +10,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from .db import Database
-
-VERSION_TABLE = "durable_alembic_version"
-SCRIPTS = Path(__file__).parent / "migrations"
+from .schema import SCRIPTS, VERSION_TABLE
 
 
 def alembic_config(db: Database) -> Config:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -22,6 +23,10 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+
+# Alembic keeps the revision a database is at in this table; the revisions are in SCRIPTS.
+VERSION_TABLE = "durable_alembic_version"
+SCRIPTS = Path(__file__).parent / "migrations"
 
 metadata = MetaData(
     naming_convention={

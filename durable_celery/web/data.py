@@ -7,13 +7,13 @@ from dataclasses import asdict, fields, is_dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from ..core.waits import INPUT, INTERNAL
 from ..errors import InvalidArgument
 from ..models import Run, aware
-from ..observe import KeyEntry, key_blocks
+from ..observe.activity import KeyEntry, key_blocks
 from ..store import activity_rows, observe_rows
 from ..store.db import masked_url, utcnow
 from ..store.schema import UNFINISHED
-from ..waits import INPUT, INTERNAL
 from . import queries
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ def key_view(durable: Durable, conn: Any, run: Run) -> dict[str, Any] | None:
         "holds": row is not None and row.holder_id == run.id,
         "holder_id": row.holder_id if row is not None else None,
         "holder_status": row.status if row is not None else None,
-        "blocks": row is not None and key_blocks(durable, run.workflow, row.status),
+        "blocks": row is not None and key_blocks(durable.workflows, run.workflow, row.status),
         "waiting": brief.get(waiting_id or ""),
         "waiting_id": waiting_id,
         "runs_after_id": run.runs_after_id,
@@ -288,7 +288,7 @@ def keys_data(durable: Durable, workflow: str | None, prefix: str | None, limit:
             r.waiting_id,
             used.get((r.workflow, r.key), 0),
             readds.get((r.workflow, r.key), 0),
-            key_blocks(durable, r.workflow, r.status),
+            key_blocks(durable.workflows, r.workflow, r.status),
         )
         for r in rows
     ]

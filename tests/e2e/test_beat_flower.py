@@ -204,7 +204,7 @@ def test_five_failed_fires_in_a_row_switch_a_schedule_off(stack: Stack) -> None:
     assert (entry.enabled, entry.failures, entry.last_outcome) == (False, 5, "failed")
     runs = durable.list_runs(workflow="failing", limit=1000)
     assert [r.status for r in runs] == ["failed"] * 5  # beat still sends fires: they start nothing
-    assert any("failing:f" in line for line in schedules.problems(durable))
+    assert any("failing:f" in line for line in schedules.problems(durable.runtime))
     env = stack.processes.env
     listed = subprocess.run(
         celery("durable", "schedules"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60

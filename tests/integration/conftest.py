@@ -8,16 +8,21 @@ from typing import Any
 import pytest
 
 from durable_celery import signals
+from durable_celery.testing import RecordingOutbox
 
 SIGNALS = ("run_started", "run_finished", "key_duplicate", "key_handoff")
 
 
 class Seen:
-    """The signals and messages one Durable sent, in order."""
+    """The signals and messages one Durable sent, in order (its outbox records the messages)."""
 
     def __init__(self, durable: Any) -> None:
+        assert isinstance(durable.outbox, RecordingOutbox)
         self.durable = durable
+        self.outbox: RecordingOutbox = durable.outbox
+        self.outbox.accept = self._sent
         self.signals: list[tuple[str, dict[str, Any]]] = []
+        # The messages as (workflow, step index, run id, attempt, key), in order.
         self.published: list[tuple[Any, ...]] = []
         self._receivers = {name: self._receiver(name) for name in SIGNALS}
 
@@ -29,14 +34,8 @@ class Seen:
 
         return receive
 
-    def publish(self, workflow: Any, step_index: int, run_id: str, attempt: int, key: Any, **kw: Any) -> bool:
-        self.published.append((workflow.name, step_index, run_id, attempt, key))
-        return True
-
-    def publish_named(
-        self, workflow: str, run_id: str, step_index: int, attempt: int, key: Any, **kw: Any
-    ) -> bool:
-        self.published.append((workflow, step_index, run_id, attempt, key))
+    def _sent(self, sent: Any) -> bool:
+        self.published.append((sent.workflow, sent.step_index, sent.run_id, sent.attempt, sent.key))
         return True
 
     def clear(self) -> None:
@@ -45,10 +44,17 @@ class Seen:
 
 
 @pytest.fixture
-def seen(durable, monkeypatch) -> Iterator[Seen]:
+def durable(make_durable, request):
+    """A Durable on this test's backend; for a test that asks for ``seen``, one whose messages
+    are recorded by a RecordingOutbox instead of sent."""
+    if "seen" in request.fixturenames:
+        return make_durable(outbox=RecordingOutbox())
+    return make_durable()
+
+
+@pytest.fixture
+def seen(durable) -> Iterator[Seen]:
     recorder = Seen(durable)
-    monkeypatch.setattr(durable, "publish", recorder.publish)
-    monkeypatch.setattr(durable, "publish_named", recorder.publish_named)
     for name, receiver in recorder._receivers.items():
         getattr(signals, name).connect(receiver, weak=False)
     try:

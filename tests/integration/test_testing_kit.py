@@ -452,11 +452,11 @@ def test_fake_accepts_workflows_of_the_apps_own_durable(pg_url):
 def test_fake_provides_input_and_runs_workflows_defined_with_durable_workflow(monkeypatch):
     import weakref
 
-    from durable_celery import app as app_module
+    from durable_celery import definition
 
     # This definition stays out of every other Durable of the process, and this one's out of it.
-    monkeypatch.setattr(app_module, "_shared", [])
-    monkeypatch.setattr(app_module, "_live", weakref.WeakSet())
+    monkeypatch.setattr(definition, "_shared", [])
+    monkeypatch.setattr(definition, "_live", weakref.WeakSet())
     fake = Fake()
 
     @durable_workflow(name="approval_flow", key="doc:{doc}")

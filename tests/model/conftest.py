@@ -12,6 +12,8 @@ import psycopg
 import pytest
 from hypothesis import settings
 
+from durable_celery.testing import RecordingOutbox
+
 
 @pytest.fixture
 def model_settings(request: pytest.FixtureRequest) -> settings:
@@ -33,15 +35,14 @@ def harness(make_durable):
 
     # Heartbeats far apart: a step never sees a cancel before it returns (the test cancels
     # from inside steps, then checks; a heartbeat would stop the step mid-check).
-    # Messages are counted where Durable.publish sends them: in the calling thread, not the
-    # background publisher's (which sends the same messages a moment later).
+    # Messages are recorded by the outbox, not sent: steps run through run_message here.
     settings = {
         "heartbeat_interval": 30.0,
         "stale_lock_timeout": 120.0,
         "prune": Harness.PRUNE,
         "publish_in_background": False,
     }
-    durable = make_durable(broker_url="memory://", upkeep=False, **settings)
+    durable = make_durable(broker_url="memory://", upkeep=False, outbox=RecordingOutbox(), **settings)
     if durable.db.is_postgres:  # this test's own database: commits need not wait for the disk
         with psycopg.connect(durable.db.url.replace("+psycopg", ""), autocommit=True) as conn:
             conn.execute("ALTER DATABASE " + conn.info.dbname + " SET synchronous_commit = off")

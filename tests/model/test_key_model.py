@@ -122,19 +122,12 @@ class Harness:
         self.nested_error: BaseException | None = None
         self.workflows: dict[tuple[str, str, str], Any] = {}
         self.sent: list[tuple[Any, ...]] = []  # signals of ours, as (name, run id, ...)
-        self.published: list[str] = []  # run ids of step messages sent
         self._receivers = []
         for signal, fields in SIGNALS.items():
             receiver = self._receiver(signal.name.removeprefix("durable_"), fields)
             signal.connect(receiver, weak=False)
             self._receivers.append((signal, receiver))
-        publish = durable.publish
-
-        def counted(workflow: Any, step_index: int, run_id: str, *args: Any, **kwargs: Any) -> bool:
-            self.published.append(run_id)
-            return publish(workflow, step_index, run_id, *args, **kwargs)
-
-        durable.publish = counted
+        self.outbox = durable.outbox  # a RecordingOutbox: the step messages sent, as run ids
 
     def _receiver(self, name: str, fields: tuple[str, ...]) -> Any:
         def receive(sender: Any, **kwargs: Any) -> None:
@@ -183,7 +176,7 @@ class Harness:
     def start(self, key: str | None, v: int, policy: str | None = None) -> None:
         woken = self._woken()
         expect = self.model.start(key, {"v": v}, policy)
-        self.published.clear()
+        self.outbox.clear()
         got = self._call(self.durable.start, self.wf, {"v": v}, key=key, on_duplicate=policy_arg(policy))
         self._settle(expect, got)
         self._check_published(expect, woken)
@@ -234,7 +227,7 @@ class Harness:
 
     def rerun(self, run: int) -> None:
         expect = self.model.rerun(run)
-        self.published.clear()
+        self.outbox.clear()
         self._settle(expect, self._call(self.durable.rerun, self.ids[run]))
         self._check_published(expect, set())
 
@@ -248,7 +241,7 @@ class Harness:
         run_again)."""
         sent = [r for r in expect.new_runs if self.model.runs[r].due == self.model.now]
         sent += [r for r in parked if self.model.runs[r].due is not None]
-        assert sorted(self.published) == sorted(self.ids[r] for r in sent), "messages sent differ"
+        assert sorted(self.outbox.run_ids()) == sorted(self.ids[r] for r in sent), "messages sent differ"
 
     def release_key(self, run: int) -> None:
         expect = self.model.release_key(run, "ops")

@@ -37,7 +37,7 @@ def parse(argv: list[str]) -> RunOptions:
         action="append",
         default=[],
         metavar="NAME",
-        help="only these mutants (mutmut names, * globs allowed, e.g. 'durable_celery.keys.x_reuse_frees*')",
+        help="only these mutants (mutmut names, * globs allowed, e.g. 'durable_celery.core.keys.x_reuse_frees*')",  # noqa: E501
     )
     parser.add_argument(
         "--tests", action="append", default=[], metavar="PATH", help="run these tests, not the mapped ones"

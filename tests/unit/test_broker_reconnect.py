@@ -6,7 +6,7 @@ import logging
 
 from celery import Celery
 
-from durable_celery import broker_reconnect
+from durable_celery.worker import broker_reconnect
 
 
 class OwnConsumer(broker_reconnect.Consumer):

@@ -7,7 +7,7 @@ import threading
 import pytest
 from kombu import Connection
 
-import durable_celery.transport  # noqa: F401  (registers durablefs://)
+import durable_celery.worker.transport  # noqa: F401  (registers durablefs://)
 
 
 @pytest.mark.timeout(60)

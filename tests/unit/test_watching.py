@@ -8,8 +8,8 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from durable_celery import InvalidDefinition
-from durable_celery.logs import LogCapture, severity_number
-from durable_celery.tracing import context_of, traceparent_of
+from durable_celery.instrument.logs import LogCapture, severity_number
+from durable_celery.instrument.tracing import context_of, traceparent_of
 
 
 def test_log_capture_defaults_to_warning_and_above_with_all_metadata_on_the_console():
@@ -101,7 +101,7 @@ def test_without_prometheus_client_metrics_say_which_extra_to_install(tmp_path):
 def test_a_step_tasks_summary_reads_like_its_dict_and_shows_as_its_repr():
     from celery.utils.saferepr import saferepr
 
-    from durable_celery.task_states import StepSummary
+    from durable_celery.worker.task_states import StepSummary
 
     items = {"run_id": "r-1", "step": "charge", "next": "ship"}
     summary = StepSummary(dict(items))

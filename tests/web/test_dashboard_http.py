@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from starlette.testclient import TestClient
 
-from durable_celery.cli_web import web
+from durable_celery.cli.web import web
 from durable_celery.errors import DurableError
 from durable_celery.testing import wait_for
 from durable_celery.web import actions, create_app
@@ -376,9 +376,9 @@ def test_queues_page_lists_stale_take_backs_of_the_day(scene: Scene) -> None:
 
     from sqlalchemy import update
 
+    from durable_celery.core.sweeps import sweep_stale_once
     from durable_celery.store.db import utcnow
     from durable_celery.store.schema import runs
-    from durable_celery.upkeep import sweep_stale_once
 
     d = scene.durable
     # What a worker that vanished mid-step leaves: the run locked, its heartbeat an hour old.
@@ -388,7 +388,7 @@ def test_queues_page_lists_stale_take_backs_of_the_day(scene: Scene) -> None:
             .where(runs.c.id == scene.held)
             .values(status="running", locked_by="ghost-node:1", heartbeat_at=utcnow() - timedelta(hours=1))
         )
-    assert sweep_stale_once(d)[0] == [scene.held]
+    assert sweep_stale_once(d.runtime)[0] == [scene.held]
     page = client(scene).get("/queues").text
     assert "stale_recovered" in page and scene.held in page and "ghost-node:1" in page
     assert client(scene).get("/api/queues").json()["recoveries"]["stale_recovered"] == 1

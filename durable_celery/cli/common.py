@@ -1,0 +1,33 @@
+"""What every ``celery -A app durable`` command shares: the Durable of the app given with ``-A``,
+and a DurableError turned into a one-line command error."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ..errors import DurableError, NotConfigured
+from ..worker.app_argument import given_app
+
+if TYPE_CHECKING:
+    from ..app import Durable
+
+
+def durable_of(ctx: click.Context) -> Durable:
+    """The ``Durable`` bound to the app given with ``celery -A``."""
+    app = ctx.obj.app if ctx.obj is not None else None
+    durable = getattr(app, "_durable", None)
+    if durable is None:
+        if given_app() is None:
+            raise NotConfigured(f"no -A given: run `celery -A yourmodule durable {ctx.info_name} ...`")
+        raise NotConfigured("the app given with -A has no Durable(app); create one in its module")
+    return durable
+
+
+def or_fail(fn: Any, *args: Any) -> Any:
+    """Call ``fn``; a DurableError becomes a ClickException (its message, exit code 1)."""
+    try:
+        return fn(*args)
+    except DurableError as exc:
+        raise click.ClickException(str(exc)) from exc

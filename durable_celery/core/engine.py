@@ -1,0 +1,552 @@
+"""Step execution: claim a run, run one step, record its outcome and send the next message."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from .. import signals
+from ..definition import ParallelGroup, Step, Workflow
+from ..errors import DatabaseUnavailable, DurableError, RunStopped, StepTimeout, WorkerLost
+from ..models import aware
+from ..store import activity_rows, child_rows, event_rows, key_rows, queries
+from ..store.db import Clock
+from . import continuation, outcomes
+from .children import fan_out
+from .context import RunContext, enter, leave
+from .control import after_commit
+from .heartbeat import ActiveStep, Heartbeater, stop_reason
+from .keys import settle_waiting_txn, wake_parent_txn
+from .outcomes import ENDED, MessageResult, Outcome, error_record, with_logs
+from .queues import queue_of
+from .rollout import definition_changed, known_elsewhere
+from .waits import Parked, Snoozed
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+log = logging.getLogger("durable_celery")
+
+_HOST = socket.gethostname()
+
+
+def process_node(pid: int) -> str:
+    """How a process of this host names itself in ``locked_by``: ``host:pid``."""
+    return f"{_HOST}:{pid}"
+
+
+class Engine:
+    """Runs steps for one ``Durable``: the one place where step execution lives."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.db = rt.db
+        self.heartbeater = Heartbeater(self)
+        self.fenced_count = 0
+        # When the grace period of a shutdown ends (0: not shutting down), in shared memory.
+        self._drain_at = multiprocessing.RawValue("d", 0.0)
+        # Whether the worker sends task events (set by its upkeep), for inline steps' events.
+        self.task_events = multiprocessing.RawValue("b", 0)
+        self.worker_pid = 0  # the Celery worker process this engine runs in, once it starts (upkeep.py)
+
+    @property
+    def node(self) -> str:
+        """This process as it appears in ``locked_by`` and on step rows: ``host:pid`` (each
+        prefork pool process its own, so a dead one's runs are told apart)."""
+        return process_node(os.getpid())
+
+    # -- messages -------------------------------------------------------------------------
+
+    def run_message(
+        self,
+        workflow: Workflow,
+        step: Step,
+        run_id: str,
+        compensate: bool,
+        queue: str | None,
+        events: Any = None,
+    ) -> MessageResult:
+        """Handle one step message and run the steps it goes on to inline (continuation.py);
+        returns what the message's own step came to. ``events`` (task_states.InlineEvents)
+        announces each inline step as a task of its own."""
+        settings = self.rt.settings
+        node = f"{self.node}:{threading.get_ident()}"
+        steps = 0 if self.rt.outbox.inline else settings.inline_steps
+        try:
+            with continuation.budget(node, queue, steps, settings.inline_seconds) as budget:
+                first = result = self.execute_with_result(workflow, step, run_id, node, compensate)
+                while result.continued is not None and budget is not None:
+                    row = result.continued
+                    budget.steps_left -= 1
+                    following = workflow.steps[row.step_index]
+                    shown = events.started(workflow, following, row) if events is not None else None
+                    result = self.run_claimed(workflow, following, row)
+                    if events is not None:
+                        events.finished(shown, workflow, following, result)
+                return first
+        finally:
+            if events is not None:
+                events.close()
+
+    def execute(self, workflow: Workflow, step: Step, run_id: str, compensate: bool) -> str:
+        """Handle one step (or compensation) message; returns what happened ('completed',
+        'dropped', 'fenced', ...)."""
+        return self.execute_with_result(workflow, step, run_id, None, compensate).status
+
+    def execute_with_result(
+        self,
+        workflow: Workflow,
+        step: Step,
+        run_id: str,
+        node: str | None,
+        compensate: bool,
+    ) -> MessageResult:
+        """``execute``, also giving the exception of an attempt that failed."""
+        node = node or f"{self.node}:{threading.get_ident()}"
+        with self.db.single() as conn:
+            row = queries.claim_run(
+                self.db, conn, run_id, step.index, node, workflow.timeout, compensate=compensate
+            )
+        if row is None:
+            log.debug("durable: dropped message for run %s step %s", run_id, step.name)
+            return MessageResult("dropped")
+        return self.run_claimed(workflow, step, row, compensate)
+
+    def run_claimed(
+        self, workflow: Workflow, step: Step, row: Any, compensate: bool = False
+    ) -> MessageResult:
+        """Run a step (or compensation) of a run this worker has claimed, and record it."""
+        ctx = _context(row, step, ActiveStep(self, row.id, row.fence, step.timeout, compensate))
+        started = self.db.utcnow()
+        signals.step_started.send(
+            sender=self.rt.sender,
+            run_id=row.id,
+            workflow=row.workflow,
+            step=step.name,
+            attempt=row.attempt,
+        )
+        if row.step_name is not None and row.step_name != step.name:
+            if known_elsewhere(self.rt, row.workflow, row.step_name):  # a rolling deploy
+                return MessageResult(self._code_elsewhere(row))
+            changed = DurableError(definition_changed(row.workflow, row.step_name)["message"])
+            return MessageResult(self._definition_changed(workflow, step, row, started), changed)
+        # -- observability hook (instrument.py): the attempt's span and log capture --------------
+        with self.rt.instrumentation.observe_step(workflow, ctx, row) as observed:
+            outcome = self._call(step, ctx, compensate=compensate)
+            observed.finish(outcome)
+        outcome.logs = observed.logs
+        # -----------------------------------------------------------------------------------------
+        if compensate:
+            status = self._record_compensation(workflow, step, row, outcome, started)
+        else:
+            status = self._record(workflow, step, row, ctx, outcome, started)
+        return MessageResult(status, outcome.error, row.attempt, continuation.take_claimed())
+
+    def _call(self, step: Step, ctx: RunContext, compensate: bool) -> Outcome:
+        active = ctx._active
+        self.heartbeater.add(active)
+        token = enter(ctx)
+        outcome = Outcome()
+        fn = step.compensate if compensate and step.compensate is not None else step.fn
+        if isinstance(fn, ParallelGroup):  # a parallel step: its branches run as child runs
+            fn = partial(fan_out, ctx, fn)
+        try:
+            outcome.value = fn(**ctx.input)
+        except RunStopped as exc:
+            outcome.stopped = active.stop_reason or exc.reason
+        except Parked as parked:
+            outcome.parked = parked
+        except Snoozed as snoozed:
+            outcome.snoozed = snoozed
+        except Exception as exc:
+            outcome.error = exc
+        finally:
+            active.finish()
+            self.heartbeater.remove(active)
+            leave(token)
+        if outcome.stopped == "timeout":
+            outcome.stopped = None
+            outcome.error = StepTimeout(f"step {step.name!r} ran past its timeout of {step.timeout}s")
+        if compensate and outcome.parked is not None:
+            outcome.parked = None
+            outcome.error = DurableError("a compensation cannot wait (sleep, events, input, children)")
+        return outcome
+
+    def beat(self, active: ActiveStep) -> str | None:
+        """One heartbeat; returns None when fine, else 'cancelled' or 'fenced'."""
+        with self.db.single() as conn:
+            if queries.heartbeat_run(self.db, conn, active.run_id, active.fence):
+                return None
+            fence = queries.run_fence(conn, active.run_id)
+        return stop_reason(fence, active.fence)
+
+    def record_lost(
+        self, workflow: Workflow, step: Step, run_id: str, pid: int, reason: str, compensate: bool = False
+    ) -> str:
+        """A pool process died while running this step (seen by the worker that forked it): the
+        attempt is used and recorded failed with ``WorkerLost``; the run backs off, fails or
+        compensates by the step's ``retry``, as if the step had raised. Returns what happened
+        ('retrying', 'failed', ...; 'dropped' when the process held no lock on the run)."""
+        with self.db.engine.connect() as conn:
+            row = queries.run_held_by(conn, run_id, f"{process_node(pid)}:")
+        if row is None:
+            return "dropped"  # it died before its claim, or after its record
+        if row.step_index != step.index:
+            if compensate or row.status != "running" or row.step_index >= len(workflow.steps):
+                return "dropped"
+            step = workflow.steps[row.step_index]  # a step it went on to inline (continuation.py)
+        ctx = _context(row, step, None)  # nothing runs: the process is gone
+        outcome = Outcome(error=WorkerLost(f"the process running step {step.name!r} died: {reason}"))
+        log.warning("durable: run %s step %s lost its process (%s)", row.id, step.name, reason)
+        # The claim's time is not kept; its last beat is (naive from SQLite: made aware).
+        started = aware(row.heartbeat_at) or self.db.utcnow()
+        worker = process_node(pid)
+        if compensate:
+            return self._record_compensation(workflow, step, row, outcome, started, worker)
+        return self._record(workflow, step, row, ctx, outcome, started, worker)
+
+    # -- results --------------------------------------------------------------------------
+
+    def _record(
+        self,
+        workflow: Workflow,
+        step: Step,
+        row: Any,
+        ctx: RunContext,
+        outcome: Outcome,
+        started: Any,
+        worker: str | None = None,
+    ) -> str:
+        if outcome.stopped is not None:
+            return self._stopped(workflow, step, row, outcome.stopped, outcome.logs)
+        if outcome.parked is not None:  # its lines come again when the step runs from the top
+            return self._park(workflow, step, row, outcome.parked)
+        if outcome.snoozed is not None:
+            return self._snooze(workflow, step, row, outcome.snoozed, outcome.logs)
+        if outcome.error is None:
+            outcome = outcomes.check_json(outcome, ctx.context)
+        step_row = {
+            "step_index": step.index,
+            "name": step.name,
+            "attempt": row.attempt,
+            # No "input": it is the run's, kept once on the run (StepRecord.input reads it there).
+            "worker": worker or self.node,
+            "started_at": started,
+            "finished_at": self.db.utcnow(),
+            "logs": outcome.logs,  # log capture (logs.py)
+        }
+        run_values, status = outcomes.after_step(self.rt.settings, workflow, step, row, ctx.context, outcome)
+        if "step_index" in run_values:  # the run's queue is its next step's (queue stats, pausing)
+            run_values["queue"] = queue_of(self.rt.default_queue(), workflow, run_values["step_index"])
+        if outcome.error is None:
+            step_row.update(status="completed", output=outcome.value)
+        else:
+            step_row.update(status="failed", error=error_record(outcome.error))
+        go_on = continuation.go_on(self.shutting_down, status, run_values)  # claim the next step as well?
+        recorded, fence_now = self._write(workflow, row, status, run_values, step_row, go_on)
+        if not recorded:
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence), node=worker)
+        signals.step_finished.send(
+            sender=self.rt.sender,
+            run_id=row.id,
+            workflow=row.workflow,
+            step=step.name,
+            attempt=row.attempt,
+            status=step_row["status"],
+            duration=(step_row["finished_at"] - started).total_seconds(),
+        )
+        self._after_write(workflow, row, status, run_values, sent=go_on is None)
+        return status
+
+    def _after_write(
+        self, workflow: Workflow, row: Any, status: str, run_values: dict[str, Any], sent: bool = True
+    ) -> None:
+        """Signal a finished run, or send the message for what the run does next (none when
+        this worker took its next step itself, or left it for a paused queue's resume)."""
+        if status in ENDED:
+            signals.run_finished.send(
+                sender=self.rt.sender, run_id=row.id, workflow=row.workflow, status=status
+            )
+        elif sent and status in ("running", "compensating") and run_values.get("published"):
+            index = run_values["step_index"]
+            compensate = status == "compensating"
+            self.rt.outbox.send(workflow, index, row.id, 1, row.key, compensate=compensate)
+
+    def _write(
+        self,
+        workflow: Workflow,
+        row: Any,
+        status: str,
+        run_values: dict[str, Any],
+        step_row: dict[str, Any],
+        go_on: queries.GoOn | None = None,
+    ) -> tuple[bool, int | None]:
+        """Write the step's outcome and the run's next state: (recorded, fence if not); with
+        ``go_on``, claim the next step too (continuation.py).
+
+        A database outage does not cost the step: the write is tried again until the database
+        is back (no sweep hands the run away before it has seen the database for
+        ``stale_lock_timeout`` after the outage), or until a shutdown's grace period is over,
+        and a write whose commit went through unanswered is known by its step row.
+        """
+        waited, pause = 0.0, 0.2
+        while True:
+            try:
+                recorded, fence_now = self._write_once(workflow, row, status, run_values, step_row, go_on)
+            except DatabaseUnavailable as exc:
+                if self.drain_over():
+                    raise
+                if not waited:
+                    log.warning("durable: run %s: %s; its outcome is kept until then", row.id, exc)
+                time.sleep(pause)
+                # Never slower than the heartbeats it stands in for: the write must land before
+                # a sweep that waited out its own window after the outage takes the run.
+                waited, pause = waited + pause, min(pause * 2, self.rt.settings.heartbeat_interval)
+                continue
+            if not recorded and waited and self._wrote_before(row, step_row):
+                log.warning("durable: run %s: the outcome was recorded before the outage ended", row.id)
+                if go_on is not None:
+                    with self.db.engine.connect() as conn:
+                        continuation.claimed(queries.run_held_by(conn, row.id, go_on.node), go_on)
+                return True, None
+            return recorded, fence_now
+
+    def _wrote_before(self, row: Any, step_row: dict[str, Any]) -> bool:
+        """Did an earlier try of this write commit (its answer lost to the outage)?"""
+        with self.db.engine.connect() as conn:
+            return queries.step_recorded(
+                conn,
+                row.id,
+                step_row["step_index"],
+                step_row.get("phase", "step"),
+                row.attempt,
+                step_row["worker"],
+            )
+
+    def _write_once(
+        self,
+        workflow: Workflow,
+        row: Any,
+        status: str,
+        run_values: dict[str, Any],
+        step_row: dict[str, Any],
+        go_on: queries.GoOn | None = None,
+    ) -> tuple[bool, int | None]:
+        finishing = status in ENDED
+        settled = None
+        if self.db.is_postgres and not (finishing and (row.key or row.parent_id)):
+            with self.db.single() as conn:  # one statement, committed on its own
+                written = queries.record_step(self.db, conn, row.id, row.fence, run_values, step_row, go_on)
+                recorded = written is not None
+                fence_now = None if recorded else queries.run_fence(conn, row.id)
+        else:
+            with self.db.begin() as conn:
+                # The key row is locked before the run row, the order every transaction keeps.
+                key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
+                written = queries.record_step_txn(
+                    self.db, conn, row.id, row.fence, run_values, step_row, go_on
+                )
+                recorded = written is not None
+                fence_now = None if recorded else queries.run_fence(conn, row.id)
+                if recorded and key_row is not None:
+                    settled = settle_waiting_txn(self.rt, conn, key_row, status, workflow)
+                if recorded and finishing and row.parent_id is not None:
+                    settled = wake_parent_txn(self.rt, conn, row.id, settled)
+        if settled is not None:
+            after_commit(self.rt, settled)
+        if go_on is not None:
+            continuation.claimed(written, go_on)
+        return recorded, fence_now
+
+    # -- compensations ---------------------------------------------------------------------
+
+    def _record_compensation(
+        self,
+        workflow: Workflow,
+        step: Step,
+        row: Any,
+        outcome: Outcome,
+        started: Any,
+        worker: str | None = None,
+    ) -> str:
+        """Record one compensation attempt; go on to the one before, retry, or end the run."""
+        if outcome.stopped is not None:  # cancelled or fenced: a shutdown lets compensations end
+            return self._stopped(workflow, step, row, outcome.stopped)
+        if outcome.snoozed is not None:
+            return self._snooze(workflow, step, row, outcome.snoozed, outcome.logs)
+        step_row = {
+            "step_index": step.index,
+            "phase": "compensate",
+            "name": step.name,
+            "attempt": row.attempt,
+            "worker": worker or self.node,
+            "started_at": started,
+            "finished_at": self.db.utcnow(),
+            "logs": outcome.logs,
+        }
+        if outcome.error is None:
+            step_row.update(status="completed", output=outcomes.json_or_none(outcome.value))
+        else:
+            step_row.update(status="failed", error=error_record(outcome.error))
+        run_values = outcomes.after_compensation(self.rt.settings, workflow, step, row, outcome)
+        if "step_index" in run_values:
+            run_values["queue"] = queue_of(self.rt.default_queue(), workflow, run_values["step_index"])
+        status = run_values.get("status", "compensating")
+        recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
+        if not recorded:
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence), node=worker)
+        self._after_write(workflow, row, status, run_values)
+        return status
+
+    def _park(self, workflow: Workflow, step: Step, row: Any, parked: Parked) -> str:
+        with self.db.begin() as conn:
+            done = event_rows.park_txn(self.db, conn, row.id, row.fence, parked.name, parked.timeout)
+            if done and parked.children:
+                child_rows.due_if_any_finished_txn(self.db, conn, row.id, parked.children)
+            fence_now = None if done else queries.run_fence(conn, row.id)
+        if not done:
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+        return "waiting"
+
+    def _definition_changed(self, workflow: Workflow, step: Step, row: Any, started: Any) -> str:
+        """The run's current step is not this one any more (renamed or removed): fail the run,
+        without compensation; ``retry`` resumes it once the step is back."""
+        error = definition_changed(row.workflow, row.step_name)
+        step_row = {
+            "step_index": row.step_index,
+            "name": row.step_name,
+            "attempt": row.attempt,
+            "status": "failed",
+            "error": error,
+            "worker": self.node,
+            "started_at": started,
+            "finished_at": self.db.utcnow(),
+        }
+        values = {"status": "failed", "error": error, "finished_at": Clock(), "due_at": None, "losses": 0}
+        recorded, fence_now = self._write(workflow, row, "failed", values, step_row)
+        if not recorded:
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+        self._after_write(workflow, row, "failed", values)
+        return "definition_changed"
+
+    def _code_elsewhere(self, row: Any) -> str:
+        """The run's current step is not this build's but a live node has it: hand the run back
+        for that node, without using an attempt (rollout.py)."""
+        retry_in = self.rt.settings.missing_code_retry
+        with self.db.begin() as conn:
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, retry_in)
+            if done:
+                details = {"step": row.step_name, "retry_in": retry_in}
+                activity_rows.record_txn(self.db, conn, "code_missing", row.id, row.workflow, None, details)
+        log.warning("durable: no code for step %r here; run %s handed back", row.step_name, row.id)
+        return "deferred" if done else "dropped"
+
+    def _hand_back_for_shutdown(
+        self, workflow: Workflow, step: Step, row: Any, logs: list[dict[str, Any]] | None
+    ) -> str:
+        """The grace period is over: give the run back, due now, for another worker."""
+        with self.db.begin() as conn:
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, 0)
+            if done:
+                details = with_logs({"step": step.name, "node": self.node}, logs)
+                activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
+            fence_now = None if done else queries.run_fence(conn, row.id)
+        if not done:
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+        log.warning("durable: worker shutting down; run %s step %s handed back", row.id, step.name)
+        return "handed_back"
+
+    def drain(self, grace: float) -> None:
+        """Start a graceful shutdown: steps see ``shutting_down()``; those still running after
+        ``grace`` seconds are stopped and their runs handed back (compensations run on).
+
+        The flag lives in shared memory made before the pool forks, so prefork children see
+        it too; each process's heartbeat thread stops its own steps when the time is up.
+        """
+        if self._drain_at.value:
+            return
+        log.warning("durable: draining; running steps get %.0fs to finish", grace)
+        self._drain_at.value = time.time() + grace
+        self.heartbeater.poke()
+
+    def undrain(self) -> None:
+        """A worker (re)starts in this process: steps are no longer shutting down."""
+        self._drain_at.value = 0.0
+
+    def shutting_down(self) -> bool:
+        """Has this worker begun a graceful shutdown?"""
+        return bool(self._drain_at.value)
+
+    def drain_over(self) -> bool:
+        """Is the grace period of a graceful shutdown over?"""
+        return bool(self._drain_at.value) and time.time() >= self._drain_at.value
+
+    def _snooze(
+        self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed, logs: list[dict[str, Any]] | None
+    ) -> str:
+        with self.db.begin() as conn:
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, snoozed.seconds)
+            if done:
+                activity_rows.record_txn(
+                    self.db,
+                    conn,
+                    "snoozed",
+                    row.id,
+                    row.workflow,
+                    row.key,
+                    with_logs(
+                        {"step": step.name, "seconds": snoozed.seconds, "reason": snoozed.reason}, logs
+                    ),
+                )
+            fence_now = None if done else queries.run_fence(conn, row.id)
+        if not done:
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+        return "snoozed"
+
+    def _stopped(
+        self,
+        workflow: Workflow,
+        step: Step,
+        row: Any,
+        reason: str,
+        logs: list[dict[str, Any]] | None = None,
+        node: str | None = None,
+    ) -> str:
+        """What a step that may not record comes to; ``node``: whose result was dropped (a
+        dead pool process's, when its worker records the loss: record_lost)."""
+        if reason == "shutdown":
+            return self._hand_back_for_shutdown(workflow, step, row, logs)
+        if reason == "fenced":
+            self.fenced_count += 1
+            log.warning("durable: run %s step %s was taken over; result dropped", row.id, step.name)
+            with self.db.begin() as conn:  # seen on the dashboard's Queues & nodes page
+                details = {"step": step.name, "node": node or self.node, "attempt": row.attempt}
+                kind = "worker_fenced"
+                activity_rows.record_txn(self.db, conn, kind, row.id, row.workflow, row.key, details)
+            signals.worker_fenced.send(
+                sender=self.rt.sender, run_id=row.id, workflow=workflow.name, step=step.name
+            )
+        return reason
+
+
+def _context(row: Any, step: Step, active: ActiveStep | None) -> RunContext:
+    """What ``current_run()`` shows a step of the claimed ``row``."""
+    return RunContext(
+        id=row.id,
+        workflow=row.workflow,
+        input=dict(row.input),
+        context=dict(row.context),
+        attempt=row.attempt,
+        key=row.key,
+        step=step.name,
+        _active=active,  # type: ignore[arg-type]  # None: nothing runs (a lost process's step)
+        _resumed_wait=row.wait_name,
+        _step_index=step.index,
+        _parent_id=row.parent_id,
+    )

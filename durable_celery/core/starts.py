@@ -1,0 +1,62 @@
+"""``Starter``: every start's one path: check, key, policy, the run's row, its trace, the key
+decision, and what the commit sets off (messages, signals; in eager mode the steps)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..capabilities import Capability
+from ..definition import SendEvent, Workflow, check_input, check_on_duplicate
+from .control import after_commit
+from .eager import run_eagerly
+from .keys import start_run
+from .runs import new_run
+from .transactions import start_in_callers_transaction
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .runtime import Runtime
+
+
+class Starter:
+    """Starts runs for one Durable: ``Durable.start`` and ``Workflow.start`` come here."""
+
+    def __init__(self, rt: Runtime, engine: Engine) -> None:
+        self.rt = rt
+        self.engine = engine
+
+    def start(
+        self,
+        workflow: str | Workflow,
+        input: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        on_duplicate: str | SendEvent | None = None,
+        connection: Any = None,
+    ) -> str:
+        """Start a run and return its id, or the id the key's holder answers with."""
+        rt = self.rt
+        wf = rt.registry.resolve(workflow)
+        data = check_input(input, rt.settings.max_input_bytes)
+        run_key = wf.derive_key(data, key)
+        policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate, wf)
+        self._check(wf, run_key, policy, connection)
+        run = new_run(rt.default_queue(), wf, data, run_key)
+        rt.instrumentation.stamp_run(wf, run)  # the run's trace (tracing.py)
+        if connection is not None:
+            return start_in_callers_transaction(rt, connection, wf, run, policy)
+        decision = start_run(rt, wf, run, policy)
+        after_commit(rt, decision)
+        if rt.outbox.eager and not rt.outbox.inline:
+            run_eagerly(self.engine, decision.run_id)
+        return decision.run_id
+
+    def _check(self, wf: Workflow, key: str | None, policy: Any, connection: Any) -> None:
+        """Unsupported when the start needs a capability this Durable lacks."""
+        if key is not None:
+            self.rt.require(Capability.IDEMPOTENCY_KEY, "start", "key", wf.name)
+            if isinstance(policy, SendEvent):
+                self.rt.require(Capability.EVENTS, "start", "on_duplicate=SendEvent", wf.name)
+        if connection is not None:
+            self.rt.require(Capability.TRANSACTIONS, "start", "connection=", wf.name)

@@ -1,0 +1,82 @@
+"""Starting a run inside the caller's own SQLAlchemy transaction.
+
+A duplicate never raises a database error here (the key row is taken with ON CONFLICT DO
+NOTHING), so the caller's transaction stays usable; a rollback removes the run and its key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, event
+from sqlalchemy.orm import Session
+
+from ..errors import InvalidArgument
+from ..store import queries
+from .control import after_commit
+from .keys import decide_start_txn
+
+if TYPE_CHECKING:
+    from ..definition import SendEvent, Workflow
+    from .runtime import Runtime
+
+
+def callers_connection(connection: Any) -> tuple[Connection, Session | None]:
+    """The Connection to write on, and the Session it came from (if it came from one)."""
+    if isinstance(connection, Session):
+        return connection.connection(), connection
+    if isinstance(connection, Connection):
+        if not connection.in_transaction():
+            raise InvalidArgument("connection= must be inside an open transaction (conn.begin())")
+        return connection, None
+    raise InvalidArgument(
+        f"connection= takes a SQLAlchemy Connection or Session, not {type(connection).__name__}"
+    )
+
+
+def start_in_callers_transaction(
+    rt: Runtime,
+    connection: Any,
+    workflow: Workflow,
+    run: dict[str, Any],
+    policy: str | SendEvent,
+) -> str:
+    """Decide the start on the caller's connection; messages go out only after their commit.
+
+    A Session publishes from its ``after_commit`` hook. A bare Connection has no such hook, so
+    the runs to send are flagged unsent and the relay sends them once the commit is visible.
+    """
+    conn, session = callers_connection(connection)
+    if not _same_database(conn, rt):
+        raise InvalidArgument("connection= must be on the database Durable uses")
+    decision = decide_start_txn(rt, conn, workflow, run, policy)
+    error, decision.error = decision.error, None
+    if session is not None:
+        _after_outcome(session, lambda: after_commit(rt, decision))
+    else:
+        if decision.publish:
+            queries.mark_unsent(conn, [dispatch[1] for dispatch in decision.publish])
+            decision.publish = []
+        decision.cancel_children = []  # the upkeep's orphan sweep does it once this commits
+        after_commit(rt, decision)
+    if error is not None:
+        raise error
+    return decision.run_id
+
+
+def _same_database(conn: Connection, rt: Runtime) -> bool:
+    theirs, ours = conn.engine.url, rt.db.engine.url
+    return (theirs.host, theirs.port, theirs.database) == (ours.host, ours.port, ours.database)
+
+
+def _after_outcome(session: Session, on_commit: Callable[[], None]) -> None:
+    """Call ``on_commit`` when the session commits, unless it rolls back first."""
+    rolled_back: list[bool] = []
+
+    def committed(_session: Session) -> None:
+        if not rolled_back:
+            on_commit()
+
+    event.listen(session, "after_commit", committed, once=True)
+    event.listen(session, "after_rollback", lambda _s: rolled_back.append(True), once=True)

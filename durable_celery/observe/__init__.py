@@ -1,0 +1,1 @@
+"""How to watch durable: activity and key reads for people, Prometheus metrics, and the doctor."""

@@ -1,0 +1,183 @@
+"""Watching: activity entries, the key list and key statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..core.sweeps import ACTIVITY_KEPT
+from ..errors import InvalidArgument
+from ..models import aware
+from ..store import activity_rows, key_rows
+from ..store.db import utcnow
+from ..store.schema import UNFINISHED
+
+if TYPE_CHECKING:
+    from ..core.runtime import Runtime
+    from ..definition import Workflow
+
+
+@dataclass(frozen=True)
+class Activity:
+    """One thing that happened: ``kind``, on which run, with ``details``."""
+
+    id: int
+    kind: str
+    run_id: str | None
+    workflow: str | None
+    details: dict[str, Any]
+    at: datetime
+    key: str | None = None  # the run's key, on entries about a keyed run
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """A key row: its holder, whether it blocks a new start, runs that used it, re-adds in the
+    last day."""
+
+    workflow: str
+    key: str
+    holder_id: str
+    holder_status: str
+    waiting_id: str | None
+    runs: int
+    readds_last_day: int
+    # True while a new start with this key is answered by the holder: it is unfinished, or
+    # finished under a ``reuse`` that keeps the key. False: the next start takes the key.
+    blocks: bool = True
+
+
+def _check_limit(limit: Any) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidArgument(f"limit must be a positive int, not {limit!r}")
+    return limit
+
+
+def list_activity(
+    rt: Runtime,
+    kinds: Any = None,
+    run_id: str | None = None,
+    workflow: str | None = None,
+    limit: int = 100,
+) -> list[Activity]:
+    """Activity entries, newest first."""
+    if isinstance(kinds, str):
+        kinds = [kinds]
+    with rt.db.engine.connect() as conn:
+        rows = activity_rows.list_activity(conn, kinds, run_id, workflow, _check_limit(limit))
+    return [Activity(r.id, r.kind, r.run_id, r.workflow, r.details, aware(r.at) or r.at, r.key) for r in rows]
+
+
+def list_keys(
+    rt: Runtime, workflow: str | None = None, limit: int = 1000, *, prefix: str | None = None
+) -> list[KeyEntry]:
+    """Held keys with their holder, whether they block a new start, runs per key and re-adds
+    in the last day; ``prefix`` keeps keys that start with it."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise InvalidArgument(f"prefix must be a str, not {prefix!r}")
+    since = utcnow() - timedelta(days=1)
+    with rt.db.engine.connect() as conn:
+        held = key_rows.list_keys(conn, workflow, _check_limit(limit), prefix)
+        pairs = [(r.workflow, r.key) for r in held]
+        used = activity_rows.runs_per_key(conn, workflow, pairs)
+        readds = {
+            (r.workflow, r.key): r.n
+            for r in activity_rows.counts_by_key(conn, "key_duplicate", workflow, since, None)
+        }
+    return [
+        KeyEntry(
+            r.workflow,
+            r.key,
+            r.holder_id,
+            r.status,
+            r.waiting_id,
+            used.get((r.workflow, r.key), 0),
+            readds.get((r.workflow, r.key), 0),
+            key_blocks(rt.registry.workflows, r.workflow, r.status),
+        )
+        for r in held
+    ]
+
+
+def key_blocks(workflows: Mapping[str, Workflow], workflow: str, holder_status: str) -> bool:
+    """Whether a key whose holder has ``holder_status`` answers a new start of ``workflow``
+    (an unfinished holder always does; a finished one by the workflow's ``reuse``)."""
+    from ..core.keys import reuse_frees
+
+    if holder_status in UNFINISHED:
+        return True
+    known = workflows.get(workflow)
+    return not reuse_frees(known.reuse if known is not None else "after_close", holder_status)
+
+
+@dataclass(frozen=True)
+class PendingInput:
+    """A run waiting for an input: give it with ``durable.provide_input(run_id, name, value)``."""
+
+    run_id: str
+    workflow: str
+    name: str
+    key: str | None
+    until: datetime | None
+
+
+def list_pending_inputs(rt: Runtime, workflow: str | None = None, limit: int = 100) -> list[PendingInput]:
+    """Runs waiting for an input, oldest first."""
+    from ..core.waits import INPUT
+    from ..store import queries
+
+    with rt.db.engine.connect() as conn:
+        rows = queries.pending_inputs(conn, INPUT, _check_limit(limit), workflow)
+    return [
+        PendingInput(r.id, r.workflow, r.wait_name[len(INPUT) :], r.key, aware(r.wait_until)) for r in rows
+    ]
+
+
+class Stats:
+    """Aggregates for dashboards and alerts: ``durable.stats.keys(workflow=...)``."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def keys(self, workflow: str | None = None) -> dict[str, Any]:
+        """Keys held and how many of them block a new start, re-adds by outcome, dropped inputs,
+        hand-offs, re-adds per hour of the last day, and the keys re-added most (over the week
+        activity is kept)."""
+        now = utcnow()
+        with self.rt.db.engine.connect() as conn:
+            held = key_rows.count_keys_by_holder(conn, workflow)
+            entries = activity_rows.key_activity(conn, workflow, now - ACTIVITY_KEPT)
+            top = activity_rows.counts_by_key(conn, "key_duplicate", workflow, now - ACTIVITY_KEPT, 10)
+        duplicates = [e for e in entries if e.kind == "key_duplicate"]
+        per_hour = Counter(
+            aware(e.at).replace(minute=0, second=0, microsecond=0)  # type: ignore[union-attr]
+            for e in duplicates
+            if aware(e.at) >= now - timedelta(days=1)  # type: ignore[operator]
+        )
+        return {
+            "keys_held": sum(int(r.n) for r in held),
+            "blocking": sum(
+                int(r.n) for r in held if key_blocks(self.rt.registry.workflows, r.workflow, r.status)
+            ),
+            "readds": sum(1 for _ in duplicates),
+            "readds_by_outcome": dict(Counter(e.details.get("outcome") for e in duplicates)),
+            "dropped_inputs": sum(
+                1
+                for e in duplicates
+                if e.details.get("outcome") in ("use_existing", "error") and e.details.get("input_changed")
+            ),
+            "handoffs": sum(1 for e in entries if e.kind == "key_handed_off"),
+            "releases": sum(1 for e in entries if e.kind == "key_released"),
+            "retakes": sum(1 for e in entries if e.kind == "key_retaken"),
+            "readds_over_time": [{"hour": h, "count": n} for h, n in sorted(per_hour.items())],
+            "top_keys": [{"workflow": r.workflow, "key": r.key, "readds": r.n} for r in top],
+        }
+
+    def queues(self) -> dict[str, dict[str, Any]]:
+        """Per queue: ``ready``, ``running``, ``waiting`` runs, ``oldest_ready_at``, ``paused``."""
+        from ..core.queues import queue_stats
+
+        return queue_stats(self.rt)

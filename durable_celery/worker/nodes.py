@@ -1,0 +1,88 @@
+"""This worker node as the database sees it: its heartbeat row, and its consumers kept in line
+with the paused queues.
+
+Runs inside the worker's upkeep thread. Consumer changes are handed to the worker's event loop
+with ``call_soon`` (the same way Celery's own ``cancel_consumer`` control command does it), and
+only queues this node consumed when it started are ever consumed again on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..store import node_rows
+from ..store.db import utcnow
+
+if TYPE_CHECKING:
+    from ..core.runtime import Runtime
+
+log = logging.getLogger("durable_celery")
+
+FORGET_AFTER = timedelta(days=1)
+
+
+class Node:
+    """One worker node: announces itself, heartbeats, and pauses/resumes its own consumers."""
+
+    def __init__(self, rt: Runtime, app: Any, worker: Any = None) -> None:
+        self.rt = rt
+        self.app = app
+        self.worker = worker
+        self.name = getattr(worker, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
+        self.queues = self._started_queues()
+        self.cancelled: set[str] = set()
+        self._steps_written: dict[str, list[str]] | None = None
+
+    def _started_queues(self) -> list[str]:
+        if self.worker is None:
+            return []
+        selected = self.app.amqp.queues.consume_from
+        return sorted(selected) if selected else [self.app.conf.task_default_queue]
+
+    def steps(self) -> dict[str, list[str]]:
+        """The workflows and step names this node's code has."""
+        return {
+            name: [step.name for step in wf.steps] for name, wf in sorted(self.rt.registry.workflows.items())
+        }
+
+    def register(self) -> None:
+        """Write this node's row afresh (at start)."""
+        self._steps_written = self.steps()
+        with self.rt.db.begin() as conn:
+            node_rows.register_node_txn(
+                self.rt.db, conn, self.name, self.queues, os.getpid(), self._steps_written
+            )
+
+    def beat(self) -> None:
+        """Mark this node seen (re-registering if its row was forgotten); forget long-gone nodes."""
+        db = self.rt.db
+        steps = self.steps()
+        changed = steps if steps != self._steps_written else None  # workflows defined late
+        with db.begin() as conn:
+            if not node_rows.beat_node_txn(db, conn, self.name, self.consumed(), os.getpid(), changed):
+                node_rows.register_node_txn(db, conn, self.name, self.consumed(), os.getpid(), steps)
+            node_rows.forget_nodes_txn(conn, utcnow() - FORGET_AFTER)
+        self._steps_written = steps
+
+    def consumed(self) -> list[str]:
+        """The queues this node consumes now (its start queues less those paused here)."""
+        return [q for q in self.queues if q not in self.cancelled]
+
+    def reconcile(self, paused: set[str]) -> None:
+        """Stop consuming this node's paused queues, and consume its resumed ones again."""
+        consumer = getattr(self.worker, "consumer", None)
+        if consumer is None or getattr(consumer, "task_consumer", None) is None:
+            return
+        for queue in self.queues:
+            if queue in paused and queue not in self.cancelled:
+                self.cancelled.add(queue)
+                consumer.call_soon(consumer.cancel_task_queue, queue)
+                log.info("durable: %s stops consuming paused queue %s", self.name, queue)
+            elif queue not in paused and queue in self.cancelled:
+                self.cancelled.discard(queue)
+                consumer.call_soon(consumer.add_task_queue, queue)
+                log.info("durable: %s consumes resumed queue %s again", self.name, queue)

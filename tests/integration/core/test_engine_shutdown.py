@@ -1,0 +1,183 @@
+"""A graceful shutdown: a step still running when the grace period ends is handed back
+without using an attempt (its entry names the key and keeps the lines logged); a hand-back that
+finds the run taken records nothing; a compensation runs on past the grace period; ``drain()``
+outside a worker signals no process.
+
+Steps run through ``run_message``, as a worker runs a message, in the test's thread, on both
+backends. Written against mutants of durable_celery/core/engine.py that the behaviour tests
+(tests/e2e, with real workers and signals) never reached."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from durable_celery import current_run
+from durable_celery.models import aware
+from tests.integration.core.helpers import take_over_run
+from tests.integration.helpers import run_row
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_step_still_running_when_the_grace_period_ends_is_handed_back(durable):
+    wf = durable.workflow("long")
+    entered, seen = threading.Event(), {}
+
+    @wf.step
+    def slow():
+        seen["shutting_down_at_start"] = current_run().shutting_down()
+        entered.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # a long step, stopped only by the shutdown
+            seen["shutting_down"] = current_run().shutting_down()
+            time.sleep(0.01)
+        return "too late"
+
+    run_id = durable.start(wf)
+    result: dict[str, str] = {}
+    runner = threading.Thread(target=lambda: result.update(status=durable.run_message("long", 0, run_id)))
+    try:
+        runner.start()
+        assert entered.wait(10)
+        engine = durable.engine
+        assert not engine.shutting_down() and not engine.drain_over()
+        engine.drain(0.4)
+        first_deadline = engine._drain_at.value
+        engine.drain(30)  # a second signal keeps the first grace period
+        assert engine._drain_at.value == first_deadline
+        assert engine.shutting_down()
+        runner.join(15)
+        assert not runner.is_alive()
+        assert engine.drain_over()
+    finally:
+        durable.engine.undrain()
+    assert not durable.engine.shutting_down() and not durable.engine.drain_over()
+
+    assert result == {"status": "handed_back"}
+    assert seen == {"shutting_down_at_start": False, "shutting_down": True}
+    row = run_row(durable, run_id)
+    assert (row.status, row.attempt, row.step_index) == ("running", 1, 0)
+    assert row.locked_by is None and row.heartbeat_at is None and row.published is False
+    assert row.due_at is not None and aware(row.due_at) <= durable.db.utcnow()
+    assert durable.list_steps(run_id) == []  # no attempt used
+    back = durable.activity(kinds=["handed_back"], run_id=run_id)
+    assert [(b.details["step"], b.details["node"]) for b in back] == [("slow", durable.engine.node)]
+
+
+def _slow_step(durable: Any, name: str, log: Any = None) -> tuple[Any, threading.Event]:
+    wf = durable.workflow(name)
+    entered = threading.Event()
+
+    @wf.step
+    def slow():
+        if log is not None:
+            log.warning("still busy with %s", current_run().id)
+        entered.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "too late"
+
+    return wf, entered
+
+
+def _drained(durable: Any, run_id: str, name: str, entered: threading.Event, before: Any = None) -> str:
+    result: dict[str, str] = {}
+    runner = threading.Thread(target=lambda: result.update(status=durable.run_message(name, 0, run_id)))
+    runner.start()
+    try:
+        assert entered.wait(10)
+        if before is not None:
+            before()
+        durable.engine.drain(0.05)
+        runner.join(15)
+        assert not runner.is_alive()
+    finally:
+        durable.engine.undrain()
+    return result["status"]
+
+
+def test_a_handed_back_entry_names_the_key_and_keeps_the_lines_logged(make_durable):
+    import logging
+
+    durable = make_durable()
+    log = logging.getLogger("tests.engine.shutdown")
+    wf, entered = _slow_step(durable, "keyed_long", log)
+    run_id = durable.start(wf, key="long:1")
+    assert _drained(durable, run_id, "keyed_long", entered) == "handed_back"
+    (entry,) = durable.activity(kinds=["handed_back"], run_id=run_id)
+    assert (entry.workflow, entry.key) == ("keyed_long", "long:1")
+    assert [r["body"] for r in entry.details["logs"]] == [f"still busy with {run_id}"]
+
+
+@pytest.mark.parametrize("how", ["fenced", "cancelled"])
+def test_a_hand_back_that_finds_the_run_taken_records_nothing(make_durable, how):
+    durable = make_durable(heartbeat_interval=30.0)  # no beat notices first: the hand-back does
+    wf, entered = _slow_step(durable, "taken_long")
+    run_id = durable.start(wf)
+    status = _drained(durable, run_id, "taken_long", entered, lambda: take_over_run(durable, run_id, how))
+    assert status == how
+    assert durable.activity(kinds=["handed_back"], run_id=run_id) == []
+    fenced = durable.activity(kinds=["worker_fenced"], run_id=run_id)
+    assert [e.details["step"] for e in fenced] == (["slow"] if how == "fenced" else [])
+
+
+def test_a_compensation_runs_on_past_a_shutdowns_grace_period(durable):
+    entered, seen = threading.Event(), {}
+
+    def undo():
+        entered.set()
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # well past the grace period, beating as it goes
+            current_run().heartbeat()
+            seen["shutting_down"] = current_run().shutting_down()
+            time.sleep(0.01)
+        return "refunded"
+
+    wf = durable.workflow("refund_late")
+    wf.step(lambda: 1, name="first", compensate=undo)
+
+    @wf.step
+    def second():
+        raise ValueError("declined")
+
+    run_id = durable.start(wf)
+    assert durable.run_message("refund_late", 0, run_id) == "running"
+    assert durable.run_message("refund_late", 1, run_id) == "compensating"
+    result: dict[str, str] = {}
+
+    def run() -> None:
+        result["status"] = durable.run_message("refund_late", 0, run_id, compensate=True)
+
+    runner = threading.Thread(target=run)
+    try:
+        runner.start()
+        assert entered.wait(10)
+        durable.engine.drain(0.2)
+        runner.join(15)
+        assert not runner.is_alive() and durable.engine.drain_over()
+    finally:
+        durable.engine.undrain()
+    assert result == {"status": "compensated"} and seen == {"shutting_down": True}
+    assert durable.get_run(run_id).status == "compensated"
+
+
+def test_drain_outside_a_worker_signals_no_process(durable, monkeypatch):
+    """An engine not (yet) in a worker knows no worker process: ``drain()`` shuts down the
+    worker loop of this process (none here) and signals nobody."""
+    from celery.worker import state
+
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append((pid, sig)))
+    monkeypatch.setattr(state, "should_stop", None)
+    try:
+        durable.drain()
+        assert durable.engine.shutting_down() and state.should_stop == 0
+    finally:
+        durable.engine.undrain()
+    assert signalled == []

@@ -1,0 +1,108 @@
+"""Schema migrations: create_all equals the migrated schema; migrate twice is a no-op; --check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import psycopg
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from celery import Celery
+
+from durable_celery import Durable
+from durable_celery.store.migrate import VERSION_TABLE
+from durable_celery.store.schema import compare_filter, metadata
+from tests.conftest import PG_HOST
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def empty_url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/m.sqlite3"
+        return
+    name = f"durable_m_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(f"{PG_HOST}/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield f"{PG_HOST}/{name}"
+    with psycopg.connect(f"{PG_HOST}/postgres", autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_migrated_schema_equals_create_all_and_second_migrate_is_noop(empty_url):
+    durable = Durable(Celery("m", broker="memory://"), empty_url, upkeep=False)
+    assert durable.pending_migrations() != []
+    lines = []
+    applied = durable.migrate(progress=lines.append)
+    assert applied and lines[-1].startswith("applied")
+    assert durable.pending_migrations() == []
+    with durable.db.engine.connect() as conn:
+        opts = {"version_table": VERSION_TABLE, "include_object": compare_filter(conn.dialect.name)}
+        context = MigrationContext.configure(conn, opts=opts)
+        diff = compare_metadata(context, metadata)
+    assert diff == []
+    assert durable.migrate(progress=lines.append) == []
+    assert lines[-1] == "database is up to date"
+    durable.db.dispose()
+
+
+def test_cli_migrate_check_fails_when_behind_and_passes_after_migrate(empty_url, tmp_path):
+    module = tmp_path / "cliapp.py"
+    module.write_text(
+        textwrap.dedent(
+            f"""
+            from celery import Celery
+            from durable_celery import Durable
+            app = Celery("cliapp", broker="memory://")
+            durable = Durable(app, {empty_url!r})
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+    def celery(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "cliapp", "durable", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+
+    behind = celery("migrate", "--check")
+    assert behind.returncode == 1, behind.stderr
+    assert "behind" in behind.stdout
+    done = celery("migrate")
+    assert done.returncode == 0, done.stderr
+    assert "applying 0001" in done.stdout
+    current = celery("migrate", "--check")
+    assert current.returncode == 0 and "up to date" in current.stdout
+    assert celery("--help").returncode == 0
+    listing = celery("runs")
+    assert listing.returncode == 0 and listing.stdout.startswith("id")
+
+
+def test_a_worker_on_a_schema_behind_its_code_refuses_to_start(empty_url, caplog):
+    from alembic import command
+    from celery.exceptions import WorkerShutdown
+
+    from durable_celery.store.migrate import alembic_config
+    from durable_celery.worker.upkeep import refuse_old_schema
+
+    durable = Durable(Celery("behind", broker="memory://"), empty_url, upkeep=False)
+    command.upgrade(alembic_config(durable.db), "0003")  # the schema of the previous release
+    with caplog.at_level("ERROR", logger="durable_celery"), pytest.raises(WorkerShutdown) as stopped:
+        refuse_old_schema(durable.runtime)  # what each worker runs as it starts
+    assert stopped.value.code == 1
+    assert "pending revisions: 0004" in caplog.text and "durable migrate" in caplog.text
+    durable.migrate()
+    caplog.clear()
+    refuse_old_schema(durable.runtime)
+    assert caplog.text == ""
+    durable.db.dispose()
