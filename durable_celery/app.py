@@ -54,12 +54,14 @@ class Durable:
         *,
         capabilities: Capability = Capability.ALL,
         outbox: Outbox | None = None,
+        database: Database | None = None,
         **settings: Any,
     ) -> None:
-        # Build the parts once: the core gets them as a Runtime, never this object.
+        # Build the parts once: the core gets them as a Runtime, never this object. A part may
+        # be given: the outbox (testing.RecordingOutbox), the database (contrib.django's).
         self.app = app
         self.settings = Settings.build(app, database_url, settings)
-        self.db = Database(
+        self.db = database or Database(
             self.settings.database_url or "",
             pool_size=self.settings.pool_size,
             prepared_statements=not self.settings.pgbouncer,

@@ -3,7 +3,7 @@ decision, and what the commit sets off (messages, signals; in eager mode the ste
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..capabilities import Capability
@@ -25,6 +25,9 @@ class Starter:
     def __init__(self, rt: Runtime, engine: Engine) -> None:
         self.rt = rt
         self.engine = engine
+        # The caller's open transaction a start without ``connection=`` joins, if any (a
+        # JoinedTransaction, or None: contrib.django sets it to Django's atomic block).
+        self.ambient: Callable[[], Any] | None = None
 
     def start(
         self,
@@ -41,6 +44,8 @@ class Starter:
         data = check_input(input, rt.settings.max_input_bytes)
         run_key = wf.derive_key(data, key)
         policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate, wf)
+        if connection is None and self.ambient is not None:
+            connection = self.ambient()
         self._check(wf, run_key, policy, connection)
         run = new_run(rt.default_queue(), wf, data, run_key)
         rt.instrumentation.stamp_run(wf, run)  # the run's trace (tracing.py)

@@ -1,4 +1,6 @@
-"""Starting a run inside the caller's own SQLAlchemy transaction.
+"""Starting a run inside the caller's own transaction: a SQLAlchemy Connection or Session, or
+any transaction that offers a SQLAlchemy connection inside it and a way to run a function once it
+commits (``JoinedTransaction``: Django's, in ``contrib.django``).
 
 A duplicate never raises a database error here (the key row is taken with ON CONFLICT DO
 NOTHING), so the caller's transaction stays usable; a rollback removes the run and its key.
@@ -7,7 +9,8 @@ NOTHING), so the caller's transaction stays usable; a rollback removes the run a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sqlalchemy import Connection, event
 from sqlalchemy.orm import Session
@@ -22,6 +25,19 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 
+@runtime_checkable
+class JoinedTransaction(Protocol):
+    """A caller's open transaction that a start may join (``start(..., connection=...)``)."""
+
+    def connect(self) -> AbstractContextManager[Connection]:
+        """A SQLAlchemy connection whose statements run inside the caller's transaction."""
+        ...
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the caller's transaction commits (never if it rolls back)."""
+        ...
+
+
 def callers_connection(connection: Any) -> tuple[Connection, Session | None]:
     """The Connection to write on, and the Session it came from (if it came from one)."""
     if isinstance(connection, Session):
@@ -31,7 +47,8 @@ def callers_connection(connection: Any) -> tuple[Connection, Session | None]:
             raise InvalidArgument("connection= must be inside an open transaction (conn.begin())")
         return connection, None
     raise InvalidArgument(
-        f"connection= takes a SQLAlchemy Connection or Session, not {type(connection).__name__}"
+        f"connection= takes a SQLAlchemy Connection or Session (or django_connection()), not "
+        f"{type(connection).__name__}"
     )
 
 
@@ -47,6 +64,8 @@ def start_in_callers_transaction(
     A Session publishes from its ``after_commit`` hook. A bare Connection has no such hook, so
     the runs to send are flagged unsent and the relay sends them once the commit is visible.
     """
+    if isinstance(connection, JoinedTransaction):
+        return _start_joined(rt, connection, workflow, run, policy)
     conn, session = callers_connection(connection)
     if not _same_database(conn, rt):
         raise InvalidArgument("connection= must be on the database Durable uses")
@@ -60,6 +79,22 @@ def start_in_callers_transaction(
             decision.publish = []
         decision.cancel_children = []  # the upkeep's orphan sweep does it once this commits
         after_commit(rt, decision)
+    if error is not None:
+        raise error
+    return decision.run_id
+
+
+def _start_joined(
+    rt: Runtime, joined: JoinedTransaction, workflow: Workflow, run: dict[str, Any], policy: str | SendEvent
+) -> str:
+    """Decide the start inside ``joined``; what it sets off (the first message, signals, a
+    replaced run's children) waits for the commit."""
+    with joined.connect() as conn:
+        if not _same_database(conn, rt):
+            raise InvalidArgument("connection= must be on the database Durable uses")
+        decision = decide_start_txn(rt, conn, workflow, run, policy)
+    error, decision.error = decision.error, None
+    joined.on_commit(lambda: after_commit(rt, decision))
     if error is not None:
         raise error
     return decision.run_id

@@ -1,4 +1,5 @@
-"""Alembic migrations, run from code: ``Durable.migrate()`` and ``migrate --check``."""
+"""Alembic migrations, run from code: ``Durable.migrate()``, ``migrate --check``, and one revision
+at a time on a caller's connection (Django's ``manage.py migrate``, contrib/django/migrating.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, text
 
 from .db import Database
 from .schema import SCRIPTS, VERSION_TABLE
@@ -40,6 +42,36 @@ def pending_revisions(db: Database) -> list[str]:
     current = current_revision(db)
     revs = list(script.iterate_revisions("head", current or "base"))
     return [r.revision for r in reversed(revs) if r.revision != current]
+
+
+def revisions() -> list[tuple[str, str | None]]:
+    """Every revision the code knows, oldest first, with the one before it."""
+    script = ScriptDirectory(str(SCRIPTS))
+    return [(r.revision, r.down_revision) for r in reversed(list(script.walk_revisions()))]  # type: ignore[misc]
+
+
+def move_on(conn: Connection, revision: str, up: bool) -> bool:
+    """On the caller's connection, upgrade to ``revision`` (``up``) or downgrade from it to the
+    revision before it, unless the database is already there; returns whether it moved. The
+    version table is the one ``Durable.migrate()`` keeps, so either tool can follow the other."""
+    order = [rev for rev, _ in revisions()]
+    current = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+    at = order.index(current) if current in order else -1
+    target = order.index(revision)
+    config = Config()
+    config.set_main_option("script_location", str(SCRIPTS))
+    config.attributes["database"] = None
+    config.attributes["connection"] = conn
+    if up and at < target:
+        command.upgrade(config, revision)
+        return True
+    if not up and at >= target:
+        before = dict(revisions())[revision]
+        command.downgrade(config, before or "base")
+        if before is None:  # back before the first revision: nothing of durable's is left
+            conn.execute(text(f"DROP TABLE IF EXISTS {VERSION_TABLE}"))
+        return True
+    return False
 
 
 def upgrade(db: Database, progress: Callable[[str], None] | None = None) -> list[str]:

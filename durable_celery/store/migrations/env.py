@@ -7,15 +7,26 @@ from durable_celery.store.schema import metadata
 
 config = context.config
 database = config.attributes["database"]
+given = config.attributes.get("connection")  # the caller's (Django's migrate): committed by them
 
-with database.engine.connect() as connection:
+if given is not None:
     context.configure(
-        connection=connection,
+        connection=given,
         target_metadata=metadata,
         version_table=VERSION_TABLE,
-        render_as_batch=database.is_sqlite,
-        transaction_per_migration=True,
+        render_as_batch=given.dialect.name == "sqlite",
     )
     with context.begin_transaction():
         context.run_migrations()
-    connection.commit()
+else:
+    with database.engine.connect() as connection:
+        context.configure(
+            connection=connection,
+            target_metadata=metadata,
+            version_table=VERSION_TABLE,
+            render_as_batch=database.is_sqlite,
+            transaction_per_migration=True,
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+        connection.commit()

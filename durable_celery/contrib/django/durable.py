@@ -1,0 +1,255 @@
+"""``DjangoDurable``: a ``Durable`` whose database is a Django alias and whose starts join Django's
+transaction; ``django_connection``: that transaction, for ``start(..., connection=...)``.
+
+Durable keeps its own pool on the alias's database (workers, the relay, starts outside a
+transaction). Inside ``transaction.atomic()`` on the alias, a start writes the run and its key
+claim on Django's own connection instead, so they commit or roll back with the caller's rows
+(savepoints included), and the first message is sent from ``transaction.on_commit``.
+
+Django's connection is lent to SQLAlchemy, never owned by it: SQLAlchemy's commit, rollback and
+close do nothing on it (Django's ``atomic`` decides), and JSON columns are read as dicts by the
+cursors durable opens, while Django's own cursors keep Django's JSON handling.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
+
+from ...app import Durable
+from ...capabilities import Capability
+from ...core.runtime import Outbox
+from ...errors import NotConfigured
+from ...store.db import Database
+
+DEFAULT_ALIAS = "default"
+
+
+class DjangoDurable(Durable):
+    """A ``Durable`` on a Django database alias (``CELERY_DURABLE_DATABASE_ALIAS``, default
+    ``"default"``); every durable setting may be given as ``CELERY_DURABLE_<NAME>``.
+
+    Create it in ``proj/celery.py`` after ``app.config_from_object("django.conf:settings",
+    namespace="CELERY")``; Django's app registry need not be ready. With
+    ``CELERY_DURABLE_JOIN_ATOMIC`` (default True) a start inside ``transaction.atomic()`` on the
+    alias joins Django's transaction.
+    """
+
+    def __init__(
+        self,
+        app: Celery,
+        *,
+        capabilities: Capability = Capability.ALL,
+        outbox: Outbox | None = None,
+        **settings: Any,
+    ) -> None:
+        alias = (
+            settings.pop("database_alias", None) or app.conf.get("durable_database_alias") or DEFAULT_ALIAS
+        )
+        join = settings.pop("join_atomic", None)
+        join = app.conf.get("durable_join_atomic") if join is None else join
+        self.alias: str = alias
+        self.join_atomic: bool = True if join is None else bool(join)
+        pool_size = settings.get("pool_size", app.conf.get("durable_pool_size") or 5)
+        database = DjangoDatabase(alias, pool_size=pool_size)
+        super().__init__(
+            app,
+            database.url,
+            capabilities=capabilities,
+            outbox=outbox,
+            database=database,
+            **settings,
+        )
+        self.starter.ambient = self._open_atomic_block
+
+    def _open_atomic_block(self) -> DjangoTransaction | None:
+        """Django's transaction on the alias, when a start runs inside ``atomic()``."""
+        if not self.join_atomic:
+            return None
+        from django.db import connections
+
+        if not connections[self.alias].in_atomic_block:
+            return None
+        return django_connection(self.alias)
+
+
+def django_connection(using: str = DEFAULT_ALIAS) -> DjangoTransaction:
+    """Django's transaction on alias ``using``, for ``start(..., connection=django_connection())``:
+    the run is written on Django's connection and its first message sent on commit."""
+    return DjangoTransaction(using)
+
+
+class DjangoTransaction:
+    """Django's current transaction on one alias, as a start joins it (``JoinedTransaction``)."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    @contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A SQLAlchemy connection over Django's own connection of this thread."""
+        with _lending_engine(self.alias).connect() as conn:
+            yield conn
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once Django commits (at once outside ``atomic()``); an error in it is
+        logged by Django, and a message it could not send is left to the relay."""
+        from django.db import transaction
+
+        transaction.on_commit(fn, using=self.alias, robust=True)
+
+
+class DjangoDatabase(Database):
+    """Durable's database on a Django alias: its own pool on the alias's database, following
+    Django when it switches the alias to a test database (``manage.py test``, pytest-django)."""
+
+    def __init__(self, alias: str, *, pool_size: int = 5) -> None:
+        self.alias = alias
+        self._settings_name: Any = None
+        super().__init__(_alias_url(alias), pool_size=pool_size)
+        self._settings_name = _settings_dict(alias).get("NAME")
+
+    @property
+    def engine(self) -> Engine:
+        """The engine on the alias's database now (a new one once Django switched databases)."""
+        name = _settings_dict(self.alias).get("NAME")
+        if name != self._settings_name:
+            with self._lock:
+                if name != self._settings_name:
+                    self._follow(name)
+        return Database.engine.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    def _follow(self, name: Any) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+        self.url = _alias_url(self.alias)
+        self._settings_name = name
+
+
+def _settings_dict(alias: str) -> dict[str, Any]:
+    """The alias's settings as Django uses them now (its test database's name once switched)."""
+    from django.conf import settings
+
+    try:
+        from django.db import connections
+
+        return connections[alias].settings_dict  # type: ignore[no-any-return]
+    except Exception:  # settings not configured yet, or the alias is unknown
+        databases = getattr(settings, "DATABASES", {})
+        if alias not in databases:
+            raise NotConfigured(
+                f"durable: Django has no database alias {alias!r} (CELERY_DURABLE_DATABASE_ALIAS)"
+            ) from None
+        return databases[alias]  # type: ignore[no-any-return]
+
+
+def _alias_url(alias: str) -> str:
+    """A SQLAlchemy URL (psycopg 3) for the alias; NotConfigured unless it is PostgreSQL on psycopg 3."""
+    given = _settings_dict(alias)
+    engine = given.get("ENGINE", "")
+    if "postgresql" not in engine and "postgis" not in engine:
+        raise NotConfigured(
+            f"durable: Django database {alias!r} uses {engine or 'no ENGINE'}; durable needs "
+            "django.db.backends.postgresql on psycopg 3"
+        )
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+    if not is_psycopg3:
+        raise NotConfigured(
+            f"durable: Django database {alias!r} runs on psycopg2; durable needs psycopg 3 "
+            "(pip install 'psycopg[binary]', then uninstall psycopg2)"
+        )
+    options = given.get("OPTIONS") or {}
+    query = {k: str(v) for k, v in options.items() if k in _URL_OPTIONS and v is not None}
+    url = URL.create(
+        "postgresql+psycopg",
+        username=given.get("USER") or None,
+        password=given.get("PASSWORD") or None,
+        host=given.get("HOST") or None,
+        port=int(given["PORT"]) if given.get("PORT") else None,
+        database=given.get("NAME") or None,
+        query=query,
+    )
+    return url.render_as_string(hide_password=False)
+
+
+# libpq connection options a Django alias may give in OPTIONS that durable's pool uses too.
+_URL_OPTIONS = (
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "connect_timeout",
+    "application_name",
+    "options",
+    "target_session_attrs",
+)
+
+_lenders: dict[tuple[str, str], Engine] = {}
+_lenders_lock = threading.Lock()
+
+
+def _lending_engine(alias: str) -> Engine:
+    """A SQLAlchemy engine whose connection is Django's own connection of the calling thread."""
+    url = _alias_url(alias)
+    key = (alias, url)
+    engine = _lenders.get(key)
+    if engine is None:
+        with _lenders_lock:
+            engine = _lenders.get(key)
+            if engine is None:
+
+                def lend() -> Lent:
+                    from django.db import connections
+
+                    connection = connections[alias]
+                    connection.ensure_connection()
+                    return Lent(connection.connection)
+
+                engine = create_engine(
+                    url,
+                    creator=lend,
+                    poolclass=NullPool,  # nothing kept: each checkout lends the thread's connection
+                    use_native_hstore=False,  # no type lookup on a connection SQLAlchemy does not own
+                    hide_parameters=True,
+                )
+                _lenders[key] = engine
+    return engine
+
+
+class Lent:
+    """Django's psycopg connection as SQLAlchemy sees it: statements and cursors pass through;
+    commit, rollback and close are Django's to do, so here they do nothing. Cursors opened here
+    read JSON as Python values; Django's own cursors keep Django's loaders."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
+        """A cursor on Django's connection that reads json and jsonb as Python values."""
+        from psycopg.types.json import JsonbLoader, JsonLoader
+
+        cursor = self._raw.cursor(*args, **kwargs)
+        cursor.adapters.register_loader("jsonb", JsonbLoader)
+        cursor.adapters.register_loader("json", JsonLoader)
+        return cursor
+
+    def commit(self) -> None:
+        """Django commits."""
+
+    def rollback(self) -> None:
+        """Django rolls back."""
+
+    def close(self) -> None:
+        """Django closes its connection."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)

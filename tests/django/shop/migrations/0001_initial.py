@@ -1,0 +1,18 @@
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+    initial = True
+    dependencies: list[tuple[str, str]] = []
+
+    operations = [
+        migrations.CreateModel(
+            name="Order",
+            fields=[
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False)),
+                ("item", models.CharField(max_length=100)),
+                ("details", models.JSONField(default=dict)),
+                ("fulfilled", models.BooleanField(default=False)),
+            ],
+        ),
+    ]

@@ -1,0 +1,170 @@
+"""A start inside ``transaction.atomic()`` joins Django's transaction: the run and its key claim
+commit or roll back with the caller's rows, savepoints included, and the first message goes out
+from ``on_commit``. Real Django, PostgreSQL, Redis and an in-process Celery worker."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from durable_celery import KeyTaken, RunNotFound, SendEvent
+from durable_celery.testing import wait_for, worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Boom(Exception):
+    pass
+
+
+def _order(item: str = "book") -> Any:
+    from tests.django.shop.models import Order
+
+    return Order.objects.create(item=item, details={"gift": True, "lines": [1, 2]})
+
+
+def _queued(durable: Any, redis_client: Any) -> int:
+    assert durable.flush(timeout=10)
+    return int(redis_client.llen(durable.app.conf.task_default_queue))
+
+
+def test_a_start_inside_atomic_commits_with_the_callers_rows_and_a_worker_runs_it(durable):
+    from django.db import transaction
+
+    from tests.django.shop.models import Order
+    from tests.django.shop.workflows import fulfil
+
+    with transaction.atomic():
+        order = _order()
+        run_id = fulfil.start({"order_id": order.pk})
+        with pytest.raises(RunNotFound):  # durable's own pool cannot see it before the commit
+            durable.get_run(run_id)
+    assert durable.get_run(run_id).key == f"order:{order.pk}"
+    with worker(durable):  # the relay waits relay_after (120 s): on_commit sent the message
+        run = wait_for(durable, run_id, timeout=30)
+    assert run.status == "completed" and run.output == {"item": "book"}
+    assert Order.objects.get(pk=order.pk).fulfilled is True
+
+
+def test_a_rollback_removes_the_run_and_its_key_claim_and_sends_nothing(durable, redis_client):
+    from django.db import transaction
+
+    from tests.django.shop.models import Order
+    from tests.django.shop.workflows import fulfil
+
+    before = _queued(durable, redis_client)
+    with pytest.raises(Boom), transaction.atomic():
+        order = _order()
+        run_id = fulfil.start({"order_id": order.pk})
+        raise Boom
+    assert not Order.objects.filter(pk=order.pk).exists()
+    with pytest.raises(RunNotFound):
+        durable.get_run(run_id)
+    assert _queued(durable, redis_client) == before  # nothing was published
+    again = fulfil.start({"order_id": order.pk})  # the key is free: a new run takes it
+    assert again != run_id and durable.get_run(again).holds_key
+
+
+def test_a_savepoint_rollback_removes_only_the_run_started_inside_it(durable):
+    from django.db import transaction
+
+    from tests.django.shop.workflows import fulfil
+
+    with transaction.atomic():
+        kept, dropped = _order("kept"), _order("dropped")
+        outer = fulfil.start({"order_id": kept.pk})
+        with pytest.raises(Boom), transaction.atomic():  # a savepoint
+            inner = fulfil.start({"order_id": dropped.pk})
+            raise Boom
+    assert durable.get_run(outer).status in ("pending", "running", "completed")
+    with pytest.raises(RunNotFound):
+        durable.get_run(inner)
+    assert fulfil.start({"order_id": dropped.pk}) != inner  # its key claim went with the savepoint
+
+
+def test_a_duplicate_returns_the_holder_and_key_taken_leaves_the_block_usable(durable):
+    from django.db import transaction
+
+    from tests.django.shop.models import Order
+    from tests.django.shop.workflows import fulfil
+
+    with transaction.atomic():
+        order = _order()
+        first = fulfil.start({"order_id": order.pk})
+        assert fulfil.start({"order_id": order.pk}) == first  # use_existing, inside the block
+        with pytest.raises(KeyTaken) as refused:
+            fulfil.start({"order_id": order.pk}, on_duplicate="error")
+        assert refused.value.holder_id == first
+        after = Order.objects.create(item="after the refusal")  # the transaction goes on
+    assert Order.objects.filter(pk=after.pk).exists()
+    assert durable.get_run(first).holds_key
+
+
+def _outcome(durable: Any, starts: list[Any]) -> list[Any]:
+    """What a sequence of starts came to, by position: ids named by the start that made them."""
+    names: dict[str, str] = {}
+    shown = []
+    for n, got in enumerate(starts):
+        if isinstance(got, BaseException):
+            shown.append(type(got).__name__)
+            continue
+        names.setdefault(got, f"run{n}")
+        run = durable.get_run(got)
+        shown.append((names[got], run.status, run.holds_key, names.get(run.runs_after_id or "")))
+    return shown
+
+
+POLICIES = ["use_existing", "error", "cancel_existing", "run_again", "debounce", "send_event"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_answers_inside_atomic_as_on_durables_own_connection(durable, policy):
+    from django.db import transaction
+
+    name = f"pol_{policy}_{uuid.uuid4().hex[:6]}"
+    options: dict[str, Any] = {"reuse": "after_close"}
+    if policy == "debounce":
+        options["debounce"] = {"period": 60}
+    elif policy == "send_event":
+        options["on_duplicate"] = SendEvent("again")
+    else:
+        options["on_duplicate"] = policy
+    wf = durable.workflow(name, **options)
+    wf.step(lambda n: n, name="only")
+
+    def sequence(key: str) -> list[Any]:
+        got: list[Any] = []
+        for n in range(3):
+            try:
+                got.append(wf.start({"n": n}, key=key))
+            except KeyTaken as exc:
+                got.append(exc)
+        return got
+
+    outside = _outcome(durable, sequence(f"out-{uuid.uuid4().hex[:6]}"))
+    with transaction.atomic():
+        inside_starts = sequence(f"in-{uuid.uuid4().hex[:6]}")
+    assert _outcome(durable, inside_starts) == outside
+    if policy == "debounce":  # the folded input is the newest, as outside
+        assert durable.get_run(inside_starts[0]).input == {"n": 2}
+
+
+def test_json_is_read_as_values_on_djangos_connection_and_djangos_own_handling_is_unchanged(durable):
+    from django.db import connection, transaction
+
+    from tests.django.shop.models import Order
+    from tests.django.shop.workflows import fulfil
+
+    with transaction.atomic():
+        order = _order()
+        run_id = fulfil.start({"order_id": order.pk})
+        # A duplicate reads the holder's input on Django's connection to compare it.
+        assert fulfil.start({"order_id": order.pk}) == run_id
+        assert Order.objects.get(pk=order.pk).details == {"gift": True, "lines": [1, 2]}
+        with connection.cursor() as cursor:  # Django's own cursors: Django's loaders, text
+            cursor.execute("SELECT input FROM durable_runs WHERE id = %s", [run_id])
+            assert cursor.fetchone()[0] == f'{{"order_id": {order.pk}}}'
+    duplicate = [a for a in durable.activity(kinds=["key_duplicate"], run_id=run_id)]
+    assert duplicate and duplicate[0].details["input_changed"] is False
