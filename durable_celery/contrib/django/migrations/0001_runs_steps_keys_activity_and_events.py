@@ -6,5 +6,5 @@ from durable_celery.contrib.django.migrating import alembic_revision
 
 
 class Migration(migrations.Migration):
-    dependencies = []
+    dependencies: list[tuple[str, str]] = []
     operations = [alembic_revision("0001")]
