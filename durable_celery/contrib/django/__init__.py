@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DjangoDurable", "django_connection"]
+__all__ = ["DjangoDurable", "django_connection", "durable_for"]
 
 
 def __getattr__(name: str) -> Any:

@@ -26,7 +26,7 @@ from sqlalchemy.pool import NullPool
 from ...app import Durable
 from ...capabilities import Capability
 from ...core.runtime import Outbox
-from ...errors import NotConfigured
+from ...errors import InvalidArgument, NotConfigured
 from ...store.db import Database
 
 DEFAULT_ALIAS = "default"
@@ -68,6 +68,7 @@ class DjangoDurable(Durable):
             **settings,
         )
         self.starter.ambient = self._open_atomic_block
+        _made[alias] = self
 
     def _open_atomic_block(self) -> DjangoTransaction | None:
         """Django's transaction on the alias, when a start runs inside ``atomic()``."""
@@ -78,6 +79,21 @@ class DjangoDurable(Durable):
         if not connections[self.alias].in_atomic_block:
             return None
         return django_connection(self.alias)
+
+
+# The DjangoDurable made last for each alias: what the admin's actions call.
+_made: dict[str, DjangoDurable] = {}
+
+
+def durable_for(alias: str = DEFAULT_ALIAS) -> DjangoDurable:
+    """The ``DjangoDurable`` of alias ``alias`` (the one made last); NotConfigured if none was."""
+    found = _made.get(alias)
+    if found is None:
+        raise NotConfigured(
+            f"no DjangoDurable on database alias {alias!r}: create DjangoDurable(app) in your Celery "
+            "module (proj/celery.py) and make sure Django imports it (proj/__init__.py)"
+        )
+    return found
 
 
 def django_connection(using: str = DEFAULT_ALIAS) -> DjangoTransaction:
@@ -94,7 +110,15 @@ class DjangoTransaction:
 
     @contextmanager
     def connect(self) -> Iterator[Connection]:
-        """A SQLAlchemy connection over Django's own connection of this thread."""
+        """A SQLAlchemy connection over Django's own connection of this thread; InvalidArgument
+        outside ``transaction.atomic()`` on the alias (durable's own pool serves that case)."""
+        from django.db import connections
+
+        if not connections[self.alias].in_atomic_block:
+            raise InvalidArgument(
+                f"connection=django_connection({self.alias!r}) must be inside transaction.atomic(using="
+                f"{self.alias!r}); outside it, start() without connection= commits on its own"
+            )
         with _lending_engine(self.alias).connect() as conn:
             yield conn
 
