@@ -8,8 +8,10 @@ import uuid
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from durable_celery import KeyTaken, RunNotFound, SendEvent
+from durable_celery.store import queries
 from durable_celery.testing import wait_for, worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,3 +170,54 @@ def test_json_is_read_as_values_on_djangos_connection_and_djangos_own_handling_i
             assert cursor.fetchone()[0] == f'{{"order_id": {order.pk}}}'
     duplicate = [a for a in durable.activity(kinds=["key_duplicate"], run_id=run_id)]
     assert duplicate and duplicate[0].details["input_changed"] is False
+
+
+def test_a_start_works_after_django_closed_its_connection(durable):
+    from django.db import connection, transaction
+
+    from tests.django.shop.workflows import fulfil
+
+    connection.close()  # what Django does between requests
+    with transaction.atomic():
+        order = _order()
+        run_id = fulfil.start({"order_id": order.pk})
+    connection.close()
+    assert durable.get_run(run_id).holds_key
+    with transaction.atomic():
+        assert fulfil.start({"order_id": order.pk}) == run_id
+
+
+def test_a_broker_down_at_commit_leaves_the_run_to_the_relay(durable, redis_client):
+    from django.db import transaction
+
+    from durable_celery.contrib.django import DjangoDurable
+    from durable_celery.contrib.django import durable as module
+    from durable_celery.worker.relay import relay_once
+    from tests.conftest import _spare_port
+
+    made = dict(module._made)
+    app = Celery("down", broker=f"redis://127.0.0.1:{_spare_port()}/0", set_as_current=False)
+    app.conf.task_default_queue = durable.app.conf.task_default_queue
+    app.conf.broker_connection_timeout = 1
+    down = DjangoDurable(app, publish_in_background=False, publish_retries=0, upkeep=False)
+    try:
+        name = f"down_{uuid.uuid4().hex[:6]}"
+        wf = down.workflow(name)
+        wf.step(lambda order_id: order_id, name="only")
+        durable.workflow(name).step(lambda order_id: order_id, name="only")  # a node that has the code
+        with transaction.atomic():
+            order = _order()
+            run_id = wf.start({"order_id": order.pk}, key=f"down:{order.pk}")
+        # Committed with the caller's rows; the message could not go: flagged for the relay.
+        assert down.get_run(run_id).status == "pending"
+        with down.db.engine.connect() as conn:
+            assert queries.fetch_run(conn, run_id).published is False
+        before = _queued(durable, redis_client)
+        assert relay_once(durable.runtime, durable.app) >= 1  # a relay that reaches the broker sends it
+        assert _queued(durable, redis_client) > before
+        with down.db.engine.connect() as conn:
+            assert queries.fetch_run(conn, run_id).published is True
+    finally:
+        down.db.dispose()
+        module._made.clear()
+        module._made.update(made)
