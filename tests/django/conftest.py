@@ -13,8 +13,6 @@ import pytest
 
 from tests.conftest import PG_HOST, _admin
 
-pytest.importorskip("django", reason="the [django] extra is not installed")
-
 
 @pytest.fixture(scope="session")
 def django_project(pg_template: str, redis_server: str) -> Iterator[Any]:
