@@ -8,11 +8,37 @@ DEBUG = False
 USE_TZ = True
 ROOT_URLCONF = "tests.django.project.urls"
 INSTALLED_APPS = [
+    "django.contrib.admin",
     "django.contrib.contenttypes",
     "django.contrib.auth",
+    "django.contrib.sessions",
+    "django.contrib.messages",
     "durable_celery.contrib.django",
     "tests.django.shop",
 ]
+# The admin (durable's runs, steps and keys), as the admin tests drive it with Django's Client.
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+ALLOWED_HOSTS = ["testserver", "localhost"]
+STATIC_URL = "/static/"
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.postgresql",

@@ -1,0 +1,419 @@
+"""Durable in the Django admin: runs, their steps and key activity, held keys, schedules.
+
+Everything is read-only: no add, change or delete page writes a row. The actions (cancel,
+retry, rerun, release keys) call durable's API through ``durable_for(alias)`` and report each
+run's outcome as a message; they need the model's change permission. With the setting
+``CELERY_DURABLE_DASHBOARD_URL``, a run's page links to it on durable's dashboard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from django.conf import settings
+from django.contrib import admin, messages
+from django.contrib.admin.utils import quote
+from django.db.models import Exists, OuterRef, QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.html import format_html
+from django.utils.http import urlencode
+
+from ...errors import DurableError
+from .durable import DjangoDurable, durable_for
+from .models import DurableActivity, DurableKey, DurableRun, DurableSchedule, DurableStep
+
+# At most this many messages per action; the rest are counted in one more.
+MESSAGES_SHOWN = 20
+
+# What an action does to one run: a message level and text, or a DurableError raised.
+Act = Callable[[DjangoDurable, str], tuple[int, str]]
+
+
+def _json(value: Any) -> Any:
+    """A JSON value, indented, in a <pre> block ("-" for none)."""
+    if value is None:
+        return "-"
+    return format_html("<pre>{}</pre>", json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def _run_link(run_id: str | None, site: str = "admin") -> Any:
+    """A link to a run's admin page, by id only (the run may have been pruned since)."""
+    if not run_id:
+        return "-"
+    url = reverse(f"{site}:durable_celery_durablerun_change", args=[quote(run_id)])
+    return format_html('<a href="{}">{}</a>', url, run_id)
+
+
+def _error(value: Any) -> str:
+    """An error as ``type: message`` (its traceback is on the step's own page)."""
+    if not value:
+        return "-"
+    if isinstance(value, dict):
+        return f"{value.get('type') or 'Error'}: {value.get('message') or ''}".rstrip(": ")
+    return str(value)
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """An admin that shows durable's rows and writes none: no add, no delete, every field
+    read-only. The change permission is kept at model level, where it allows the actions."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: durable creates its rows."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: durable deletes its rows (``prune``)."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """The user's permission for actions (no object); a row's page is view-only."""
+        if obj is not None:
+            return False
+        return bool(super().has_change_permission(request))
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        """Every field, and every shown method."""
+        fields = [f.name for f in self.model._meta.fields]
+        return [*fields, *(f for f in super().get_readonly_fields(request, obj) if f not in fields)]
+
+    def _act(self, request: HttpRequest, run_ids: Iterable[str], db: str, act: Act) -> None:
+        """Call ``act`` on each run with the alias's Durable, reporting each outcome."""
+        try:
+            durable = durable_for(db)
+        except DurableError as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            return
+        hidden = 0
+        for shown, run_id in enumerate(run_ids):
+            try:
+                level, text = act(durable, run_id)
+            except DurableError as exc:
+                level, text = messages.ERROR, f"Run {run_id}: {type(exc).__name__}: {exc}"
+            if shown < MESSAGES_SHOWN:
+                self.message_user(request, text, level)
+            else:
+                hidden += 1
+        if hidden:
+            self.message_user(request, f"{hidden} more results not shown.", messages.INFO)
+
+    def _release(self, request: HttpRequest, run_ids: Iterable[str], db: str) -> None:
+        """Free the keys the runs hold, recording the admin user as who released them."""
+        by = f"django admin: {request.user.get_username()}"
+
+        def release(durable: DjangoDurable, run_id: str) -> tuple[int, str]:
+            durable.release_key(run_id, by=by)
+            return messages.SUCCESS, f"Run {run_id}: key released."
+
+        self._act(request, run_ids, db, release)
+
+
+def _ids(queryset: QuerySet[Any]) -> Iterable[str]:
+    """The primary keys of the selected rows, read as the action goes."""
+    return queryset.order_by().values_list("pk", flat=True).iterator()
+
+
+class KeyFilter(admin.SimpleListFilter):
+    """Runs by key: those with one key (``?key=...``, as each key in the list links), those
+    holding their key, those that hold it no more, those started without one."""
+
+    title = "key"
+    parameter_name = "key_is"
+    states = (("holding", "holding its key"), ("released", "not holding its key"), ("none", "no key"))
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> Any:
+        """The three states of a run's key."""
+        return self.states
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        """The runs in the chosen state."""
+        holds = Exists(DurableKey.objects.filter(holder_id=OuterRef("pk")))
+        if self.value() == "holding":
+            return queryset.filter(holds)
+        if self.value() == "released":
+            return queryset.filter(key__isnull=False).exclude(holds)
+        if self.value() == "none":
+            return queryset.filter(key__isnull=True)
+        return queryset
+
+
+class StepInline(admin.TabularInline):  # type: ignore[type-arg]
+    """A run's recorded step attempts, read-only."""
+
+    model = DurableStep
+    fields = (
+        "step_index",
+        "phase",
+        "name",
+        "attempt",
+        "status",
+        "worker",
+        "started_at",
+        "finished_at",
+        "short_error",
+    )
+    readonly_fields = fields
+    ordering = ("step_index", "phase", "attempt", "id")
+    extra = 0
+    max_num = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: workers record attempts."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: an attempt is history."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: durable prunes."""
+        return False
+
+    @admin.display(description="error")
+    def short_error(self, step: DurableStep) -> str:
+        """The attempt's error as ``type: message``."""
+        return _error(step.error)
+
+
+class ActivityInline(admin.TabularInline):  # type: ignore[type-arg]
+    """What happened to a run's key and more (``durable.activity(run_id=...)``), newest first."""
+
+    model = DurableActivity
+    fields = ("at", "kind", "key", "details_json")
+    readonly_fields = fields
+    ordering = ("-id",)
+    extra = 0
+    max_num = 0
+    can_delete = False
+    verbose_name_plural = "key activity"
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: durable records activity."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: activity is history."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: durable trims activity after a week."""
+        return False
+
+    @admin.display(description="details")
+    def details_json(self, entry: DurableActivity) -> Any:
+        """The entry's details."""
+        return _json(entry.details)
+
+
+@admin.register(DurableRun)
+class DurableRunAdmin(ReadOnlyAdmin):
+    """Runs: filter by workflow, status and key, search by key or id, act on the selected."""
+
+    list_display = ("id", "workflow", "status", "key_link", "created_at", "finished_at")
+    list_filter = ("workflow", "status", KeyFilter)
+    search_fields = ("=id", "key")
+    ordering = ("-created_at",)
+    show_full_result_count = False
+    inlines = (StepInline, ActivityInline)
+    actions = ("cancel_runs", "retry_runs", "rerun_runs", "release_keys")
+    fieldsets = (
+        (None, {"fields": ("id", "workflow", "status", "key", "holds_key", "error_json")}),
+        ("Data", {"fields": ("input_json", "context_json", "output_json")}),
+        ("Progress", {"fields": ("step_index", "step_name", "attempt", "queue", "wait_name", "wait_until")}),
+        ("Times", {"fields": ("created_at", "started_at", "finished_at", "deadline_at")}),
+        ("Relations", {"fields": ("parent", "parent_ref", "runs_after")}),
+        (
+            "Internals",
+            {
+                "classes": ("collapse",),
+                "fields": (
+                    "attempt_base",
+                    "fence",
+                    "locked_by",
+                    "heartbeat_at",
+                    "due_at",
+                    "published",
+                    "resends",
+                    "resend_at",
+                    "not_after",
+                    "losses",
+                    "trace_parent",
+                ),
+            },
+        ),
+    )
+    readonly_fields = ("holds_key", "error_json", "input_json", "context_json", "output_json", "dashboard")
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        """The run's fields; its dashboard link first when ``CELERY_DURABLE_DASHBOARD_URL`` is set."""
+        if not _dashboard_url():
+            return self.fieldsets
+        (name, first), *rest = self.fieldsets
+        return ((name, {"fields": (*first["fields"], "dashboard")}), *rest)
+
+    @admin.display(description="key", ordering="key")
+    def key_link(self, run: DurableRun) -> Any:
+        """The run's key, linking to the runs with that key."""
+        if run.key is None:
+            return "-"
+        return format_html('<a href="?{}">{}</a>', urlencode({"key": run.key}), run.key)
+
+    @admin.display(description="holds its key", boolean=True)
+    def holds_key(self, run: DurableRun) -> bool:
+        """Whether the run holds its key now."""
+        return run.holds_key
+
+    @admin.display(description="error")
+    def error_json(self, run: DurableRun) -> Any:
+        """The run's error."""
+        return _json(run.error)
+
+    @admin.display(description="input")
+    def input_json(self, run: DurableRun) -> Any:
+        """The run's input."""
+        return _json(run.input)
+
+    @admin.display(description="context")
+    def context_json(self, run: DurableRun) -> Any:
+        """The run's context."""
+        return _json(run.context)
+
+    @admin.display(description="output")
+    def output_json(self, run: DurableRun) -> Any:
+        """The run's output."""
+        return _json(run.output)
+
+    @admin.display(description="dashboard")
+    def dashboard(self, run: DurableRun) -> Any:
+        """A link to the run on durable's dashboard."""
+        url = f"{_dashboard_url().rstrip('/')}/runs/{quote(run.pk)}"
+        return format_html('<a href="{}">{}</a>', url, url)
+
+    @admin.action(description="Cancel selected runs", permissions=["change"])
+    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Cancel each selected unfinished run."""
+
+        def cancel(durable: DjangoDurable, run_id: str) -> tuple[int, str]:
+            if durable.cancel(run_id):
+                return messages.SUCCESS, f"Run {run_id}: cancelled."
+            return messages.WARNING, f"Run {run_id}: had finished already, not cancelled."
+
+        self._act(request, _ids(queryset), queryset.db, cancel)
+
+    @admin.action(description="Retry selected failed runs", permissions=["change"])
+    def retry_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Resume each selected failed run from its failed step."""
+
+        def retry(durable: DjangoDurable, run_id: str) -> tuple[int, str]:
+            durable.retry(run_id)
+            return messages.SUCCESS, f"Run {run_id}: retried from its failed step."
+
+        self._act(request, _ids(queryset), queryset.db, retry)
+
+    @admin.action(description="Rerun selected finished runs", permissions=["change"])
+    def rerun_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Start a fresh copy of each selected finished run (same input and key)."""
+        site = self.admin_site.name
+
+        def rerun(durable: DjangoDurable, run_id: str) -> tuple[int, str]:
+            new_id = durable.rerun(run_id)
+            return messages.SUCCESS, format_html("Run {}: rerun as {}.", run_id, _run_link(new_id, site))
+
+        self._act(request, _ids(queryset), queryset.db, rerun)
+
+    @admin.action(description="Release the keys of selected finished runs", permissions=["change"])
+    def release_keys(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Free the key each selected finished run holds."""
+        self._release(request, _ids(queryset), queryset.db)
+
+
+def _dashboard_url() -> str:
+    """``CELERY_DURABLE_DASHBOARD_URL``, or "" when not set."""
+    return str(getattr(settings, "CELERY_DURABLE_DASHBOARD_URL", "") or "")
+
+
+@admin.register(DurableKey)
+class DurableKeyAdmin(ReadOnlyAdmin):
+    """Held keys with their holder (and the run waiting behind it); release them."""
+
+    list_display = ("key", "workflow", "holder_link", "holder_status", "waiting_link", "taken_at")
+    list_filter = ("workflow",)
+    search_fields = ("key", "=holder__id")
+    list_select_related = ("holder",)
+    ordering = ("-taken_at",)
+    actions = ("release_keys",)
+
+    @admin.display(description="holder")
+    def holder_link(self, key: DurableKey) -> Any:
+        """The run holding the key."""
+        return _run_link(key.holder_id, self.admin_site.name)  # type: ignore[attr-defined]
+
+    @admin.display(description="holder status", ordering="holder__status")
+    def holder_status(self, key: DurableKey) -> str:
+        """The holder's status."""
+        return key.holder.status
+
+    @admin.display(description="waiting")
+    def waiting_link(self, key: DurableKey) -> Any:
+        """The run waiting behind the holder (run_again), if any."""
+        return _run_link(key.waiting_id, self.admin_site.name)  # type: ignore[attr-defined]
+
+    @admin.action(description="Release selected keys (finished holders)", permissions=["change"])
+    def release_keys(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Free each selected key whose holder has finished."""
+        self._release(request, _ids(queryset), queryset.db)
+
+
+@admin.register(DurableStep)
+class DurableStepAdmin(ReadOnlyAdmin):
+    """Every recorded step attempt."""
+
+    list_display = ("id", "run_link", "step_index", "name", "phase", "attempt", "status", "finished_at")
+    list_filter = ("status", "phase")
+    search_fields = ("=run__id", "name")
+    ordering = ("-id",)
+    show_full_result_count = False
+
+    @admin.display(description="run")
+    def run_link(self, step: DurableStep) -> Any:
+        """The attempt's run."""
+        return _run_link(step.run_id, self.admin_site.name)  # type: ignore[attr-defined]
+
+
+@admin.register(DurableActivity)
+class DurableActivityAdmin(ReadOnlyAdmin):
+    """Key decisions and other notable moments, kept for a week."""
+
+    list_display = ("at", "kind", "workflow", "key", "run_link")
+    list_filter = ("kind", "workflow")
+    search_fields = ("key", "=run__id")
+    ordering = ("-id",)
+    show_full_result_count = False
+
+    @admin.display(description="run")
+    def run_link(self, entry: DurableActivity) -> Any:
+        """The run the entry is about (it may have been pruned since)."""
+        return _run_link(entry.run_id, self.admin_site.name)  # type: ignore[attr-defined]
+
+
+@admin.register(DurableSchedule)
+class DurableScheduleAdmin(ReadOnlyAdmin):
+    """Keyed schedules' shared state: failures in a row, last outcome, enabled."""
+
+    list_display = (
+        "name",
+        "workflow",
+        "key",
+        "schedule",
+        "enabled",
+        "failures",
+        "last_outcome",
+        "last_fire_at",
+    )
+    list_filter = ("enabled", "workflow")
+    search_fields = ("name", "key")
+    ordering = ("name",)

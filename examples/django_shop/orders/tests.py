@@ -1,0 +1,162 @@
+"""The shop end to end: ``POST /orders/`` through Django's test client, a real Celery worker
+(threads, in this process) on the broker, PostgreSQL for the orders and durable's tables.
+
+``python manage.py test`` runs them on Django's test database (``test_<SHOP_DB_NAME>``), which
+durable follows. They are ``DurableTransactionTestCase``s: each request really commits, as in
+production (a ``TestCase`` would hide the runs from the worker in a transaction never
+committed), and durable's connections are closed after each test, so Django can drop the test
+database at the end.
+"""
+
+import time
+from unittest import mock
+
+from django.conf import settings
+from django.db import connection
+from durable_celery import RunNotFound
+from durable_celery.contrib.django.testing import DurableTransactionTestCase, release_durable_connections
+from durable_celery.testing import wait_for, worker
+
+from . import payments
+from .models import Order
+
+ORDER = {"item": "mug", "quantity": "2", "payment_token": "tok_visa"}
+
+
+def backends() -> int:
+    """Connections open on the test database now, this test's own included."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+        return int(cursor.fetchone()[0])
+
+
+def backends_once_settled(expected: int, timeout: float = 5.0) -> int:
+    """``backends()`` once it is down to ``expected``, or after ``timeout`` seconds: a server
+    process outlives its closed connection for a moment (DROP DATABASE waits 5 s for it too)."""
+    deadline = time.monotonic() + timeout
+    while (found := backends()) > expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
+class ShopTestCase(DurableTransactionTestCase):
+    """What every test of the shop reads: the runs of ``fulfil`` and the messages queued."""
+
+    def fulfil_runs(self) -> set[str]:
+        """The ids of every run of ``fulfil`` in the database."""
+        return {run.id for run in self.durable.list_runs(workflow="fulfil", limit=10_000)}
+
+    def queued(self) -> int:
+        """Messages waiting in the shop's queue, once this process sent what it queued."""
+        self.assertTrue(self.durable.flush(timeout=10))
+        app = self.durable.app
+        with app.connection_for_read() as conn:
+            return int(conn.default_channel.queue_declare(queue=app.conf.task_default_queue).message_count)
+
+
+class PlaceOrderTests(ShopTestCase):
+    """A placed order's run commits with the request, and a worker fulfils it."""
+
+    def test_the_run_commits_with_the_request_and_a_worker_fulfils_the_order(self) -> None:
+        response = self.client.post("/orders/", ORDER)
+        self.assertEqual(response.status_code, 201, response.content)
+        order_pk, run_id = response.json()["order"], response.json()["run"]
+        order = Order.objects.get(pk=order_pk)
+        self.assertEqual((order.run_id, order.payment, order.fulfilled), (run_id, f"PAY-{order_pk}", False))
+        run = self.durable.get_run(run_id)  # committed with the order, by the request
+        self.assertEqual((run.workflow, run.key, run.holds_key), ("fulfil", f"order:{order_pk}", True))
+
+        with worker(self.durable):
+            run = wait_for(self.durable, run_id, timeout=30)
+
+        self.assertEqual(run.status, "completed", run.error)
+        # The steps read the order through the ORM: the request had committed before they ran.
+        self.assertEqual(run.output, {"order": order_pk, "picked": "2 x mug", "tracking": f"TRK-{order_pk}"})
+        self.assertTrue(Order.objects.get(pk=order_pk).fulfilled)
+        detail = self.client.get(f"/orders/{order_pk}/").json()
+        self.assertEqual((detail["fulfilled"], detail["run_status"]), (True, "completed"))
+
+
+class FailedRequestTests(ShopTestCase):
+    """A request that fails leaves no order, no run and no message behind."""
+
+    def test_a_declined_payment_after_the_start_rolls_the_run_back_and_sends_nothing(self) -> None:
+        runs, queued = self.fulfil_runs(), self.queued()
+
+        with self.assertLogs("django.request", "WARNING"):  # "Payment Required: /orders/"
+            response = self.client.post("/orders/", {**ORDER, "payment_token": "tok_declined"})
+
+        self.assertEqual(response.status_code, 402, response.content)
+        self.assertFalse(Order.objects.exists())
+        self.assertEqual(self.fulfil_runs(), runs)  # the run and its key claim went with the order
+        self.assertEqual(self.queued(), queued)  # its message was never sent
+
+    def test_an_error_after_the_start_rolls_the_run_back_and_sends_nothing(self) -> None:
+        runs, queued = self.fulfil_runs(), self.queued()
+
+        with (
+            mock.patch.object(payments, "charge", side_effect=RuntimeError("provider down")),
+            self.assertLogs("django.request", "ERROR"),  # Django's "Internal Server Error: /orders/"
+            self.assertRaises(RuntimeError),
+        ):
+            self.client.post("/orders/", ORDER)
+
+        self.assertFalse(Order.objects.exists())
+        self.assertEqual(self.fulfil_runs(), runs)
+        self.assertEqual(self.queued(), queued)
+
+    def test_a_bad_form_starts_nothing(self) -> None:
+        runs = self.fulfil_runs()
+
+        with self.assertLogs("django.request", "WARNING"):  # "Bad Request: /orders/"
+            response = self.client.post("/orders/", {**ORDER, "quantity": "0"})
+
+        self.assertEqual(response.status_code, 400, response.content)
+        self.assertIn("quantity", response.json()["errors"])
+        self.assertEqual(self.fulfil_runs(), runs)
+
+
+class ConnectionTests(ShopTestCase):
+    """Many runs through a worker open a bounded number of connections and leave none behind."""
+
+    RUNS = 20
+    CONCURRENCY = 4
+
+    def test_connections_stay_bounded_over_many_runs_and_none_is_left_behind(self) -> None:
+        pool_size = settings.CELERY_DURABLE_POOL_SIZE
+        self.assertEqual(self.durable.settings.pool_size, pool_size)
+        # Durable's pool keeps pool_size connections and opens as many more at a peak (store/db.py);
+        # Django opens one per thread that uses the ORM: this test's and each worker thread's.
+        bound = 2 * pool_size + (1 + self.CONCURRENCY) + 2  # and a margin of 2
+        peak, run_ids = backends(), []
+
+        with worker(self.durable, concurrency=self.CONCURRENCY):
+            for n in range(self.RUNS):
+                response = self.client.post("/orders/", {**ORDER, "item": f"item-{n}"})
+                self.assertEqual(response.status_code, 201, response.content)
+                run_ids.append(response.json()["run"])
+                peak = max(peak, backends())
+            for run_id in run_ids:
+                run = wait_for(self.durable, run_id, timeout=60)
+                self.assertEqual(run.status, "completed", run.error)
+                peak = max(peak, backends())
+
+        self.assertLessEqual(peak, bound, f"{peak} connections at the peak, more than {bound}")
+        self.assertEqual(Order.objects.filter(fulfilled=True).count(), self.RUNS)
+        # What the test case does after each test: then only this test's own connection is left.
+        self.assertTrue(release_durable_connections())
+        self.assertEqual(backends_once_settled(1), 1)
+
+
+class OrderDetailTests(ShopTestCase):
+    """An unknown order, and an order without a run, answer plainly."""
+
+    def test_an_unknown_order_is_404(self) -> None:
+        with self.assertLogs("django.request", "WARNING"):  # "Not Found: /orders/999999/"
+            self.assertEqual(self.client.get("/orders/999999/").status_code, 404)
+
+    def test_a_run_that_is_gone_shows_no_status(self) -> None:
+        order = Order.objects.create(item="mug", run_id="00000000-0000-0000-0000-000000000000")
+        with self.assertRaises(RunNotFound):
+            self.durable.get_run(order.run_id)
+        self.assertIsNone(self.client.get(f"/orders/{order.pk}/").json()["run_status"])
