@@ -221,3 +221,37 @@ def test_a_broker_down_at_commit_leaves_the_run_to_the_relay(durable, redis_clie
         down.db.dispose()
         module._made.clear()
         module._made.update(made)
+
+
+def test_the_explicit_django_connection_joins_and_publishes_on_commit(durable, redis_client):
+    from django.db import transaction
+
+    from durable_celery.contrib.django import django_connection
+    from tests.django.shop.workflows import fulfil
+
+    durable.join_atomic = False  # only the explicit form joins now
+    try:
+        before = _queued(durable, redis_client)
+        with pytest.raises(Boom), transaction.atomic():
+            dropped = fulfil.start({"order_id": _order().pk}, connection=django_connection())
+            raise Boom
+        with pytest.raises(RunNotFound):
+            durable.get_run(dropped)
+        with transaction.atomic():
+            run_id = fulfil.start({"order_id": _order().pk}, connection=django_connection("default"))
+            assert _queued(durable, redis_client) == before  # nothing sent before the commit
+        assert _queued(durable, redis_client) == before + 1  # sent from on_commit
+        assert durable.get_run(run_id).holds_key
+    finally:
+        durable.join_atomic = True
+
+
+def test_the_explicit_form_outside_atomic_is_refused_and_writes_nothing(durable):
+    from durable_celery import InvalidArgument
+    from durable_celery.contrib.django import django_connection
+    from tests.django.shop.workflows import fulfil
+
+    key = f"order:outside-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(InvalidArgument, match="transaction.atomic"):
+        fulfil.start({"order_id": 1}, key=key, connection=django_connection())
+    assert durable.list_runs(key=key) == []
