@@ -37,15 +37,16 @@ class SendEvent:
 
 
 def check_on_duplicate(value: Any, workflow: Workflow | None = None) -> str | SendEvent:
-    """Return ``value`` if it is a valid ``on_duplicate`` policy (for one start of ``workflow``,
-    when given), else raise InvalidDefinition."""
+    """Return ``value`` if it is a valid ``on_duplicate`` policy, else raise InvalidDefinition;
+    given per start (``workflow`` given), ``run_again`` under ``reuse='never'`` is InvalidStart."""
     if not (isinstance(value, SendEvent) or value in ON_DUPLICATE):
         raise InvalidDefinition(
             f"on_duplicate must be one of {ON_DUPLICATE} or SendEvent(name), not {value!r}"
         )
     if workflow is not None and value == "run_again" and workflow.reuse == "never":
-        # The run left waiting could never take the key: the holder keeps it when it ends.
-        raise InvalidDefinition(
+        # The run left waiting could never take the key: the holder keeps it when it ends. A
+        # start argument, so the start is refused (the definition is refused at definition).
+        raise InvalidStart(
             f"on_duplicate='run_again' cannot work with reuse='never' (workflow {workflow.name!r})"
         )
     return value  # type: ignore[no-any-return]

@@ -53,7 +53,7 @@ class Starter:
             return start_in_callers_transaction(rt, connection, wf, run, policy)
         decision = start_run(rt, wf, run, policy)
         after_commit(rt, decision)
-        if rt.outbox.eager and not rt.outbox.inline:
+        if decision.created and rt.outbox.eager and not rt.outbox.inline:  # a duplicate runs nothing
             run_eagerly(self.engine, decision.run_id)
         return decision.run_id
 

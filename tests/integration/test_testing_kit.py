@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -658,3 +659,26 @@ def test_child_failure_under_the_fake_reaches_the_parent():
 
 def _noop() -> None:
     """A step that does nothing."""
+
+
+def test_an_eager_duplicate_start_runs_nothing_of_the_holder():
+    """Guards issue 33 (bug 1): in eager mode a keyed duplicate returns the holder's id and runs
+    none of its due steps in the caller; a duplicate creates nothing and runs nothing."""
+    durable = Durable(memory_app(task_always_eager=True), "memory://")
+    ran: list[str] = []
+    wf = durable.workflow("eager_dup")
+
+    @wf.step
+    def nap():
+        current_run().sleep(0.2)
+
+    @wf.step
+    def after():
+        ran.append(current_run().id)
+
+    holder = durable.start(wf, key="k")
+    assert durable.get_run(holder).status == "waiting" and ran == []
+    time.sleep(0.3)  # the holder's sleep is over: its next step is due now
+    assert durable.start(wf, key="k") == holder
+    assert ran == []  # the duplicate ran nothing of the holder
+    assert durable.get_run(holder).status == "waiting"

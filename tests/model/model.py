@@ -207,7 +207,7 @@ class KeyModel:
         expect = Expect()
         asked = self.default if policy is None else policy
         if asked == "run_again" and self.reuse == "never":  # refused before anything is written
-            expect.raises = "InvalidDefinition"
+            expect.raises = "InvalidStart"
             return expect
         shown = f"send_event:{EVENT}" if asked == "send_event" else asked
         row = self.keys.get(key) if key is not None else None

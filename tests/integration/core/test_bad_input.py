@@ -7,7 +7,6 @@ import pytest
 from durable_celery import (
     DurableError,
     InvalidArgument,
-    InvalidDefinition,
     InvalidKey,
     InvalidStart,
     NotFinished,
@@ -96,15 +95,16 @@ def test_bad_control_calls_raise_and_change_nothing(shop):
 @pytest.mark.timeout(120)
 def test_run_again_per_call_is_refused_under_reuse_never_and_writes_nothing(durable):
     """Guards issue 12: ``on_duplicate='run_again'`` given per call (to ``durable.start``, to
-    ``wf.start``, by the workflow's name) is refused under ``reuse='never'`` as it is in the
-    definition, before anything is written; other policies per call still work."""
+    ``wf.start``, by the workflow's name) is refused under ``reuse='never'``, before anything is
+    written, with InvalidStart (a start argument; in a definition it is InvalidDefinition);
+    other policies per call still work."""
     wf = durable.workflow("send_invoice", reuse="never", on_duplicate="error")
 
     @wf.step
     def send(id):
         pass
 
-    with pytest.raises(InvalidDefinition, match="run_again.*reuse='never'"):
+    with pytest.raises(InvalidStart, match="run_again.*reuse='never'"):
         durable.start(wf, {"id": "INV-1"}, key="invoice:INV-1", on_duplicate="run_again")
     assert (count_rows(durable, runs), count_rows(durable, keys), count_rows(durable, activity)) == (0, 0, 0)
 
@@ -115,7 +115,7 @@ def test_run_again_per_call_is_refused_under_reuse_never_and_writes_nothing(dura
         lambda: wf.start({"id": "INV-1"}, key="invoice:INV-1", on_duplicate="run_again"),
         lambda: durable.start("send_invoice", {"id": "INV-1"}, key="invoice:INV-1", on_duplicate="run_again"),
     ):
-        with pytest.raises(InvalidDefinition, match="send_invoice"):
+        with pytest.raises(InvalidStart, match="send_invoice"):
             call()
     assert (count_rows(durable, runs), count_rows(durable, keys)) == (1, 1)
     assert run_dict(durable, holder) == before
