@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidArgument
 from ..models import aware
 from ..store import activity_rows, queue_rows
-from ..store.db import utcnow
 
 if TYPE_CHECKING:
     from ..definition import Workflow
@@ -121,7 +120,7 @@ def sample_once(rt: Runtime, every: float) -> bool:
     Safe on several nodes at once: one transaction at a time may write (an advisory lock on
     PostgreSQL, the write lock on SQLite), and it skips when a recent sample exists.
     """
-    since = utcnow() - timedelta(seconds=every * 0.9)
+    since = rt.db.utcnow() - timedelta(seconds=every * 0.9)
     with rt.db.engine.connect() as conn:
         if queue_rows.sample_written_since(conn, since):  # the usual case on all but one node
             return False
@@ -134,13 +133,13 @@ def sample_once(rt: Runtime, every: float) -> bool:
         if not queue_rows.take_sample_turn_txn(conn, since):
             return False
         queue_rows.insert_samples_txn(db, conn, rows)
-        queue_rows.trim_samples_txn(conn, utcnow() - SAMPLES_KEPT)
+        queue_rows.trim_samples_txn(conn, db.utcnow() - SAMPLES_KEPT)
     return True
 
 
 def list_samples(db: Database, queue: str | None = None, since: datetime | None = None) -> list[QueueSample]:
     """Samples of one queue (or all) since ``since`` (default: the last day), oldest first."""
-    since = since or utcnow() - timedelta(days=1)
+    since = since or db.utcnow() - timedelta(days=1)
     with db.engine.connect() as conn:
         rows = queue_rows.list_samples(conn, queue, since)
     return [

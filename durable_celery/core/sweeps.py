@@ -16,7 +16,6 @@ from sqlalchemy import Connection
 
 from .. import signals
 from ..store import activity_rows, child_rows, doctor_rows, queries
-from ..store.db import utcnow
 from . import queues
 from .control import after_commit, cancel
 from .keys import end_run_txn
@@ -137,4 +136,4 @@ def sample_queues_once(rt: Runtime) -> bool:
 def trim_activity_once(db: Database) -> int:
     """Delete activity entries older than a week; returns how many."""
     with db.begin() as conn:
-        return activity_rows.trim_txn(conn, utcnow() - ACTIVITY_KEPT)
+        return activity_rows.trim_txn(conn, db.utcnow() - ACTIVITY_KEPT)

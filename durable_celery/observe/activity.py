@@ -12,7 +12,6 @@ from ..core.sweeps import ACTIVITY_KEPT
 from ..errors import InvalidArgument
 from ..models import aware
 from ..store import activity_rows, key_rows
-from ..store.db import utcnow
 from ..store.schema import UNFINISHED
 
 if TYPE_CHECKING:
@@ -78,7 +77,7 @@ def list_keys(
     in the last day; ``prefix`` keeps keys that start with it."""
     if prefix is not None and not isinstance(prefix, str):
         raise InvalidArgument(f"prefix must be a str, not {prefix!r}")
-    since = utcnow() - timedelta(days=1)
+    since = rt.db.utcnow() - timedelta(days=1)
     with rt.db.engine.connect() as conn:
         held = key_rows.list_keys(conn, workflow, _check_limit(limit), prefix)
         pairs = [(r.workflow, r.key) for r in held]
@@ -146,7 +145,7 @@ class Stats:
         """Keys held and how many of them block a new start, re-adds by outcome, dropped inputs,
         hand-offs, re-adds per hour of the last day, and the keys re-added most (over the week
         activity is kept)."""
-        now = utcnow()
+        now = self.rt.db.utcnow()
         with self.rt.db.engine.connect() as conn:
             held = key_rows.count_keys_by_holder(conn, workflow)
             entries = activity_rows.key_activity(conn, workflow, now - ACTIVITY_KEPT)

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..models import aware
 from ..store import child_rows, doctor_rows, node_rows, observe_rows, queue_rows
-from ..store.db import utcnow
 from . import pg_health
 
 if TYPE_CHECKING:
@@ -240,7 +239,7 @@ def summary(rt: Runtime) -> dict[str, Any]:
         per_workflow = observe_rows.unfinished_by_workflow(conn)
         unconsumed = _unconsumed(rt, conn)
         tables = pg_health.table_figures(db, conn)
-    now = utcnow()
+    now = db.utcnow()
     due = [d for d in (aware(r.oldest) for r in ready) if d is not None]
     oldest = min(due, default=None)
     return {

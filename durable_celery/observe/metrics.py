@@ -37,7 +37,6 @@ from celery import signals as celery_signals
 from .. import signals
 from ..errors import NotConfigured
 from ..store import observe_rows
-from ..store.db import utcnow
 from ..store.schema import UNFINISHED
 
 if TYPE_CHECKING:
@@ -136,7 +135,7 @@ class DatabaseCollector:
             )
 
     def _families(self, rows: DatabaseRows, gauge: Any) -> list[Any]:
-        now = utcnow()
+        now = self.rt.db.utcnow()
         backlog = gauge("durable_ready_runs", "Runs due and waiting for a worker", labels=["workflow"])
         oldest = gauge(
             "durable_oldest_ready_run_age_seconds",

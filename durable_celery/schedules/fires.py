@@ -17,7 +17,6 @@ from ..definition import SendEvent, Workflow, check_input
 from ..errors import DurableError, KeyTaken
 from ..models import aware
 from ..store import activity_rows, queries, schedule_rows
-from ..store.db import utcnow
 from ..store.schema import FINISHED
 from .entries import (
     FIRE_TASK,
@@ -102,7 +101,7 @@ def judge(rt: Runtime, row: Any) -> str | None:
     if run.status in FINISHED:
         return str(run.status)
     created = aware(run.created_at)
-    waited = (utcnow() - created).total_seconds() if created is not None else 0.0
+    waited = (rt.db.utcnow() - created).total_seconds() if created is not None else 0.0
     unclaimed = run.status == "pending" and run.started_at is None
     if unclaimed and waited > rt.settings.schedule_pickup_timeout:
         cancel(rt, run.id)

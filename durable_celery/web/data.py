@@ -12,7 +12,7 @@ from ..errors import InvalidArgument
 from ..models import Run, aware
 from ..observe.activity import KeyEntry, key_blocks
 from ..store import activity_rows, observe_rows
-from ..store.db import masked_url, utcnow
+from ..store.db import masked_url
 from ..store.schema import UNFINISHED
 from . import queries
 
@@ -76,7 +76,8 @@ def check_status(value: Any) -> str | None:
 def overview(durable: Durable) -> dict[str, Any]:
     """Runs per status, ready backlog per workflow and queue, failures of the last hour, nodes,
     paused queues and the schema state."""
-    db, now = durable.db, utcnow()
+    db = durable.db
+    now = db.utcnow()
     with db.engine.connect() as conn:
         counts = queries.status_counts(conn)
         ready = observe_rows.ready_by_workflow(db, conn)
@@ -272,7 +273,7 @@ def input_diff(base: Any, other: Any) -> list[dict[str, Any]]:
 def keys_data(durable: Durable, workflow: str | None, prefix: str | None, limit: int = 200) -> dict[str, Any]:
     """Key rows (holder, whether it blocks a start, waiting run, re-adds in the last day) and
     the keys re-added most this week."""
-    now = utcnow()
+    now = durable.db.utcnow()
     with durable.db.engine.connect() as conn:
         rows = queries.page_of_keys(conn, workflow or None, prefix or None, limit)
         pairs = [(r.workflow, r.key) for r in rows]
@@ -323,7 +324,7 @@ def queues_data(durable: Durable) -> dict[str, Any]:
     nodes; recoveries and fenced workers of the last day."""
     stats = durable.stats.queues()
     nodes = durable.list_nodes()
-    now = utcnow()
+    now = durable.db.utcnow()
     live_after = now - timedelta(seconds=durable.settings.stale_lock_timeout)
     for node in nodes:
         seen = aware(node.get("seen_at"))

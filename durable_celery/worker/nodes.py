@@ -15,7 +15,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..store import node_rows
-from ..store.db import utcnow
 
 if TYPE_CHECKING:
     from ..core.runtime import Runtime
@@ -65,7 +64,7 @@ class Node:
         with db.begin() as conn:
             if not node_rows.beat_node_txn(db, conn, self.name, self.consumed(), os.getpid(), changed):
                 node_rows.register_node_txn(db, conn, self.name, self.consumed(), os.getpid(), steps)
-            node_rows.forget_nodes_txn(conn, utcnow() - FORGET_AFTER)
+            node_rows.forget_nodes_txn(conn, db.utcnow() - FORGET_AFTER)
         self._steps_written = steps
 
     def consumed(self) -> list[str]:

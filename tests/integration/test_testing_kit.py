@@ -682,3 +682,20 @@ def test_an_eager_duplicate_start_runs_nothing_of_the_holder():
     assert durable.start(wf, key="k") == holder
     assert ran == []  # the duplicate ran nothing of the holder
     assert durable.get_run(holder).status == "waiting"
+
+
+def test_key_statistics_follow_the_fakes_clock():
+    """Guards issue 33 (bug 3): ``list_keys`` and ``stats.keys`` count re-adds by the store's
+    clock, so ``advance`` moves them out of the last day, and out of the week, as time would."""
+    fake = Fake()
+    wf = fake.workflow("stat_clock", key="k:{n}")
+    wf.step(lambda n: n, name="only")
+    holder = fake.start(wf, {"n": 1})
+    assert fake.start(wf, {"n": 1}) == holder  # one re-add
+    (entry,) = fake.list_keys()
+    assert entry.readds_last_day == 1 and fake.stats.keys()["readds"] == 1
+    fake.advance(3 * 86400)
+    (entry,) = fake.list_keys()
+    assert entry.readds_last_day == 0 and fake.stats.keys()["readds"] == 1  # kept a week
+    fake.advance(5 * 86400)
+    assert fake.stats.keys()["readds"] == 0
