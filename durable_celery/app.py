@@ -17,7 +17,7 @@ from .core.engine import Engine
 from .core.runs import backoff
 from .core.runtime import Outbox, Runtime
 from .core.starts import Starter
-from .definition import Registry, SendEvent, Step, Workflow, share
+from .definition import Registry, SendEvent, Step, Workflow, share, workflow_options
 from .errors import InvalidArgument, InvalidDefinition, RunNotFound
 from .instrument.hooks import Instrumentation
 from .models import Run, StepRecord
@@ -495,7 +495,7 @@ def durable_workflow(name: str | Callable[..., Any] | None = None, **options: An
     """Define a workflow bound to whichever app's ``Durable`` is current, like ``shared_task``."""
 
     def define(fn: Callable[..., Any]) -> Workflow:
-        workflow = Workflow(name=name if isinstance(name, str) else None, **options)
+        workflow = Workflow(name=name if isinstance(name, str) else None, **workflow_options(dict(options)))
         workflow.shared = True
         workflow(fn)
         share(workflow)

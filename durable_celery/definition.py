@@ -4,21 +4,17 @@ holds one Durable's workflows by name."""
 from __future__ import annotations
 
 import inspect
-import json
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .errors import InvalidDefinition, InvalidKey, InvalidStart, NotConfigured, UnknownWorkflow
+from .inputs import check_key
 
 REUSE = ("after_close", "after_failure", "never")
 ON_DUPLICATE = ("use_existing", "error", "cancel_existing", "run_again")
 IDEMPOTENCY = ("optional", "required", "off")
-MAX_KEY_BYTES = 255
-# Levels of nested mappings and lists an input may have (the input itself is level 1): deeper
-# input is refused at start, before the JSON encoder or a driver recurses into it.
-MAX_INPUT_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -50,86 +46,6 @@ def check_on_duplicate(value: Any, workflow: Workflow | None = None) -> str | Se
             f"on_duplicate='run_again' cannot work with reuse='never' (workflow {workflow.name!r})"
         )
     return value  # type: ignore[no-any-return]
-
-
-def check_key(key: Any) -> str | None:
-    """Return ``key`` if it is None or a str of 1..255 UTF-8 bytes, else raise InvalidKey."""
-    if key is None:
-        return None
-    if not isinstance(key, str):
-        raise InvalidKey(f"a key must be a str or None, not {type(key).__name__}")
-    try:
-        size = len(key.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise InvalidKey(
-            f"a key must be valid UTF-8: {key!r} has a lone surrogate at character {exc.start}"
-        ) from exc
-    if not 1 <= size <= MAX_KEY_BYTES:
-        raise InvalidKey(f"a key must be 1 to {MAX_KEY_BYTES} UTF-8 bytes, got {size}")
-    if "\x00" in key:
-        raise InvalidKey(f"a key must not contain a NUL character (\\x00): {key!r}; remove it")
-    return key
-
-
-def check_input(data: Any, max_bytes: int | None = None) -> dict[str, Any]:
-    """Return the run input as a dict of JSON values, or raise InvalidStart.
-
-    Refused: anything but a mapping with str field names; values JSON cannot hold; text with a
-    NUL character or a lone surrogate (neither PostgreSQL nor UTF-8 can store them); nesting
-    deeper than ``MAX_INPUT_DEPTH``; more than ``max_bytes`` bytes of JSON (when given).
-    """
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise InvalidStart(f"a run's input must be a mapping of keyword arguments, not {type(data).__name__}")
-    if not all(isinstance(k, str) for k in data):
-        raise InvalidStart("a run's input must have str keys")
-    _check_values(data)
-    try:
-        text = json.dumps(dict(data), allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidStart(f"a run's input must be JSON: {exc}") from exc
-    if max_bytes is not None:
-        size = len(text.encode("utf-8"))
-        if size > max_bytes:
-            raise InvalidStart(
-                f"a run's input is {size:,} bytes as JSON, over max_input_bytes ({max_bytes:,}): keep "
-                "large data elsewhere (a file, a table) and pass its name or id"
-            )
-    return json.loads(text)  # type: ignore[no-any-return]
-
-
-def _check_values(data: Mapping[str, Any]) -> None:
-    """Walk the input once, without recursion: depth, and text PostgreSQL and UTF-8 can store."""
-    pending: list[tuple[Any, int, str]] = [(data, 1, "input")]
-    while pending:
-        value, depth, where = pending.pop()
-        if depth > MAX_INPUT_DEPTH:
-            shown = where if len(where) <= 60 else where[:60] + "..."
-            raise InvalidStart(
-                f"a run's input is nested more than {MAX_INPUT_DEPTH} levels deep (at {shown}) or "
-                "refers to itself; flatten it"
-            )
-        items = value.items() if isinstance(value, Mapping) else enumerate(value)
-        for name, item in items:
-            if isinstance(name, str) and isinstance(value, Mapping):
-                _check_text(name, f"field name {name!r} in {where}")
-            if isinstance(item, str):
-                _check_text(item, f"{where}[{name!r}]")
-            elif isinstance(item, (Mapping, list, tuple)):
-                pending.append((item, depth + 1, f"{where}[{name!r}]"))
-
-
-def _check_text(text: str, where: str) -> None:
-    if "\x00" in text:
-        raise InvalidStart(f"{where} contains a NUL character (\\x00), which cannot be stored; remove it")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidStart(
-            f"{where} has a lone surrogate at character {exc.start}, which is not valid UTF-8; "
-            "decode the text it came from with errors='replace', or drop that character"
-        ) from exc
 
 
 @dataclass(frozen=True)
@@ -225,6 +141,8 @@ class Workflow:
     shared: bool = False
     # One-step workflows that parallel step groups run as branches (see ``parallel``).
     branches: list[Workflow] = field(default_factory=list, repr=False)
+    # Options of the first step of a workflow made from a function (``@durable.workflow(retry=3)``).
+    step_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
@@ -266,6 +184,12 @@ class Workflow:
         ``compensate`` is called (with the run's input) when a later step fails for good;
         compensations run in reverse order with ``compensate_retry`` attempts each.
         """
+
+        if self.step_options:
+            raise InvalidDefinition(
+                f"{', '.join(sorted(self.step_options))}= given to workflow {self.name!r} apply to a "
+                "workflow made from a function; give them to .step() instead"
+            )
 
         def add(func: Callable[..., Any]) -> Callable[..., Any]:
             self._add_step(func, name, retry, queue, compensate, timeout, backoff, compensate_retry)
@@ -368,7 +292,12 @@ class Workflow:
             self.name = fn.__name__
             if self.registry is not None:
                 self.registry.register(self)
-        self._add_step(fn, None, 1, None, None, None, None)
+        given = self.step_options
+        retry, compensate_retry = given.get("retry", 1), given.get("compensate_retry", 3)
+        self._add_step(
+            fn, None, retry, None, given.get("compensate"), None, given.get("backoff"), compensate_retry
+        )
+        self.step_options = {}
         self.__doc__ = fn.__doc__
         return self
 
@@ -500,10 +429,11 @@ class Registry:
         _live.add(self)
 
     def define(self, name: str | Callable[..., Any] | None = None, **options: Any) -> Workflow:
-        """A new workflow of this registry; as a decorator on a function it is the first step."""
+        """A new workflow of this registry; as a decorator on a function it is the first step
+        (with that step's options: retry, backoff, compensate, compensate_retry)."""
         if callable(name):
             return Workflow(registry=self)(name)
-        workflow = Workflow(name=name, registry=self, **options)
+        workflow = Workflow(name=name, registry=self, **workflow_options(options))
         if name is not None:
             self.register(workflow)
         return workflow
@@ -556,6 +486,27 @@ class Registry:
         if not resolved.steps:
             raise UnknownWorkflow(f"workflow {resolved.name!r} has no steps")
         return resolved
+
+
+# Options of a workflow made from a function that belong to its one step, not to the workflow
+# (``timeout`` and ``queue`` are the workflow's, and so the step's too).
+STEP_OPTIONS = ("retry", "backoff", "compensate", "compensate_retry")
+
+
+def workflow_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``Workflow`` keyword arguments from a workflow decorator's options: the first step's
+    options (``STEP_OPTIONS``, checked here) go under ``step_options``."""
+    step = {name: options.pop(name) for name in STEP_OPTIONS if name in options}
+    if step:
+        _check_step_options(
+            step.get("retry", 1),
+            step.get("compensate"),
+            step.get("compensate_retry", 3),
+            None,
+            step.get("backoff"),
+        )
+        options["step_options"] = step
+    return options
 
 
 def share(workflow: Workflow) -> None:

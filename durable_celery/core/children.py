@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import IntegrityError
 
 from ..capabilities import Capability
-from ..definition import ParallelGroup, Workflow, check_input
+from ..definition import ParallelGroup, Workflow
 from ..errors import ChildFailed, InvalidArgument
+from ..inputs import check_input
 from ..store import child_rows
 from ..store.schema import FINISHED
 from .control import after_commit, cancel

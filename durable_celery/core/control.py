@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import update
 
 from .. import signals
-from ..definition import check_input
 from ..errors import InvalidArgument, KeyContended, KeyTaken, NoKey, NotFinished, RunNotFound
+from ..inputs import check_input
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
 from ..store.schema import FINISHED, UNFINISHED, runs
 from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees, start_run

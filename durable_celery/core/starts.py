@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..capabilities import Capability
-from ..definition import SendEvent, Workflow, check_input, check_on_duplicate
+from ..definition import SendEvent, Workflow, check_on_duplicate
+from ..inputs import check_input
 from .control import after_commit
 from .eager import run_eagerly
 from .keys import start_run

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 from celery.schedules import ParseException, crontab
 from celery.schedules import schedule as every
 
-from ..definition import Workflow, check_input
+from ..definition import Workflow
 from ..errors import InvalidArgument, KeyTaken, ScheduleNotFound, Unsupported
+from ..inputs import check_input
 from ..models import aware
 from ..store import schedule_rows
 from ..store.db import utcnow

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from ..core.control import after_commit, cancel
 from ..core.keys import start_run
 from ..core.runs import new_run
-from ..definition import SendEvent, Workflow, check_input
+from ..definition import SendEvent, Workflow
 from ..errors import DurableError, KeyTaken
+from ..inputs import check_input
 from ..models import aware
 from ..store import activity_rows, queries, schedule_rows
 from ..store.schema import FINISHED

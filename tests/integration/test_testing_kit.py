@@ -699,3 +699,44 @@ def test_key_statistics_follow_the_fakes_clock():
     assert entry.readds_last_day == 0 and fake.stats.keys()["readds"] == 1  # kept a week
     fake.advance(5 * 86400)
     assert fake.stats.keys()["readds"] == 0
+
+
+def test_a_workflow_made_from_a_function_takes_its_steps_options(monkeypatch):
+    """Guards issue 33 (bug 6): ``@durable.workflow(retry=3, backoff=...)`` and
+    ``@durable_workflow(..., retry=...)`` set the options of the one step they make."""
+    import weakref
+
+    from durable_celery import definition
+
+    # The shared definition below stays out of every other Durable of the process.
+    monkeypatch.setattr(definition, "_shared", [])
+    monkeypatch.setattr(definition, "_live", weakref.WeakSet())
+    fake = Fake()
+    tries: list[int] = []
+
+    @fake.workflow(retry=3, backoff=0.5)
+    def flaky(n):
+        tries.append(current_run().attempt)
+        if len(tries) < 3:
+            raise RuntimeError("not yet")
+        return n
+
+    assert (flaky.steps[0].retry, flaky.steps[0].backoff) == (3, 0.5)
+    run_id = fake.start(flaky, {"n": 7})
+    for _ in range(3):
+        fake.run_until_idle()
+        fake.advance(1)
+    assert fake.get_run(run_id).output == 7 and tries == [1, 2, 3]
+
+    @durable_workflow(name="shared_flaky", retry=2, compensate_retry=1)
+    def shared(n):
+        return n
+
+    assert (shared.steps[0].retry, shared.steps[0].compensate_retry) == (2, 1)
+    from durable_celery import InvalidDefinition
+
+    with pytest.raises(InvalidDefinition, match="retry is the number of attempts"):
+        fake.workflow(retry=0)
+    named = fake.workflow("named_with_step_options", retry=2)
+    with pytest.raises(InvalidDefinition, match="give them to .step"):
+        named.step(lambda: None, name="one")

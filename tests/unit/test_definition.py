@@ -15,7 +15,7 @@ from durable_celery import (
     Workflow,
     durable_workflow,
 )
-from durable_celery.definition import check_input, check_key
+from durable_celery.inputs import check_input, check_key
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from durable_celery import (
     SendEvent,
     current_run,
 )
-from durable_celery.definition import MAX_INPUT_DEPTH
+from durable_celery.inputs import MAX_INPUT_DEPTH
 from durable_celery.schedules.fires import start_fire
 from durable_celery.store.schema import activity, events, keys, runs, steps
 from durable_celery.testing import wait_for, worker
