@@ -120,6 +120,19 @@ TARGETS = {
             "claim, run, record, retry, compensate",
         ),
         Target(
+            "outcomes",
+            "durable_celery/core/outcomes.py",
+            [
+                "tests/integration/core/test_running.py",
+                "tests/integration/core/test_compensation.py",
+                "tests/integration/core/test_waits.py",
+                "tests/integration/core/test_continuation.py",
+                "tests/integration/core/test_children.py",
+                *GUARDS,
+            ],
+            "a step attempt's outcome and the run's next state (split out of engine.py)",
+        ),
+        Target(
             "upkeep",
             "durable_celery/worker/upkeep.py",
             [
