@@ -93,3 +93,16 @@ def _check_text(text: str, where: str) -> None:
             f"{where} has a lone surrogate at character {exc.start}, which is not valid UTF-8; "
             "decode the text it came from with errors='replace', or drop that character"
         ) from exc
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values (and PostgreSQL's jsonb) are: ``true`` is not ``1``, ``1`` is ``1.0``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and bool(a == b)

@@ -17,6 +17,7 @@ from sqlalchemy import Connection, case, update
 from .. import signals
 from ..definition import SendEvent, Workflow
 from ..errors import DurableError, KeyContended, KeyTaken
+from ..inputs import same_json
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
 from ..store.schema import UNFINISHED, runs
 
@@ -246,7 +247,7 @@ class KeyDecision:
             {
                 "outcome": outcome,
                 "policy": policy,
-                "input_changed": holder.input != self.run["input"],
+                "input_changed": not same_json(holder.input, self.run["input"]),
                 **dropped_input(self.run["input"]),
                 "holder_status": holder.status,
                 **details,

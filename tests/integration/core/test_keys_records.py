@@ -77,6 +77,37 @@ def test_the_same_input_again_is_recorded_as_unchanged(durable, seen):
     assert only_entry(durable, "key_duplicate").details["input_changed"] is False
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"on_duplicate": "error"}, {"debounce": {"period": 60}}],
+    ids=["use_existing", "error", "debounce"],
+)
+@pytest.mark.parametrize(
+    ("first", "again", "changed"),
+    [
+        ({"n": 1}, {"n": True}, True),
+        ({"n": True}, {"n": 1}, True),
+        ({"n": 0}, {"n": False}, True),
+        ({"n": 1}, {"n": 1.0}, False),
+        ({"n": [1, {"a": 2}]}, {"n": [1.0, {"a": 2.0}]}, False),
+        ({"n": "1"}, {"n": 1}, True),
+    ],
+)
+def test_input_changed_follows_json_equality_on_every_path(durable, seen, options, first, again, changed):
+    """One rule on every backend and policy (PostgreSQL's one-statement answer compares jsonb):
+    ``true`` is not ``1``, ``1`` is ``1.0``; the dropped-input counts follow it."""
+    wf = two_step_workflow(durable, **options)
+    holder = durable.start(wf, first, key="k")
+    try:
+        assert durable.start(wf, again, key="k") == holder
+    except KeyTaken as refused:
+        assert refused.holder_id == holder
+    entry = only_entry(durable, "key_duplicate")
+    assert entry.details["input_changed"] is changed
+    dropped = changed and entry.details["outcome"] in ("use_existing", "error")
+    assert durable.stats.keys()["dropped_inputs"] == int(dropped)
+
+
 def test_error_refuses_with_the_holder_and_records_it(durable, seen):
     wf = two_step_workflow(durable, on_duplicate="error")
     holder = started_run(durable, wf, seen, {"n": 1})
