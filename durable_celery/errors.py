@@ -81,6 +81,21 @@ class DatabaseUnavailable(DurableError):
         return (type(self), (self.url, self.reason))
 
 
+class SchemaOutdated(DurableError):
+    """The database has no durable schema, or one older than this code: migrate it."""
+
+    FIX = "run `celery -A <app> durable migrate` (Django: `python manage.py migrate`)"
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url, self.reason = url, reason  # url with its password masked; the driver's first line
+        super().__init__(
+            f"the database at {url} has no durable schema, or one older than this code ({reason}); {self.FIX}"
+        )
+
+    def __reduce__(self) -> tuple[type[SchemaOutdated], tuple[str, str]]:
+        return (type(self), (self.url, self.reason))
+
+
 class Unsupported(DurableError):
     """The storage backend lacks a capability the call needs."""
 
@@ -113,6 +128,11 @@ class WorkerLost(DurableError):
     """The process running a step died (killed, out of memory): the attempt is used."""
 
 
+class Terminated(WorkerLost):
+    """A Celery control command (``terminate``, ``revoke --terminate``) stopped the process
+    running a step: the attempt is used."""
+
+
 class EventTimeout(DurableError):
     """A wait for an event (or input) timed out and no ``timeout_value`` was given."""
 
@@ -137,5 +157,6 @@ __all__ = [
     "StepTimeout",
     "ChildFailed",
     "WorkerLost",
+    "Terminated",
     "EventTimeout",
 ]

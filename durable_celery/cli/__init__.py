@@ -13,7 +13,7 @@ import psycopg
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from ..app import STATUSES, Durable
-from ..errors import DatabaseUnavailable, DurableError, NotConfigured
+from ..errors import DatabaseUnavailable, DurableError, NotConfigured, SchemaOutdated
 from ..worker.app_argument import app_argument
 from . import observe as cli_observe
 from . import ops as cli_ops
@@ -22,6 +22,9 @@ from . import vacuum as cli_vacuum
 from . import web as cli_web
 from .common import durable_of, or_fail
 from .key_report import blocks_new_starts
+
+# A database that cannot be used, however a command met it.
+UNUSABLE = (DatabaseUnavailable, NotConfigured, SchemaOutdated, SQLAlchemyError)
 
 
 class ErrorBoundary(click.Group):
@@ -33,7 +36,7 @@ class ErrorBoundary(click.Group):
         try:
             return super().invoke(ctx)
         except click.ClickException as exc:
-            if not isinstance(exc.__cause__, (DatabaseUnavailable, NotConfigured, SQLAlchemyError)):
+            if not isinstance(exc.__cause__, UNUSABLE):
                 raise
             self._fail(ctx, exc, exc.__cause__)
         except (DurableError, SQLAlchemyError, psycopg.Error) as exc:
@@ -87,14 +90,14 @@ def explain(error: BaseException, url: str) -> list[str]:
         return [f"database unavailable at {error.url} ({error.reason})", f"fix: {_unavailable_fix(error)}"]
     if isinstance(error, NotConfigured):
         return [str(error)]
+    if isinstance(error, SchemaOutdated):
+        return [
+            f"the database at {error.url} has no durable schema, or an old one ({error.reason})",
+            f"fix: run `celery -A {app_argument()} durable migrate`",
+        ]
     reason = _first_line(error)
     if isinstance(error, DurableError):
         return [reason]
-    if _schema_missing(error):
-        return [
-            f"the database at {url} has no durable schema, or an old one ({reason})",
-            f"fix: run `celery -A {app_argument()} durable migrate`",
-        ]
     if isinstance(error, ArgumentError):  # a URL SQLAlchemy cannot use (parsed after the import)
         return [f"cannot use the database URL {url} ({reason})", "fix: use postgresql://... or sqlite:///..."]
     return [f"database error at {url}: {reason}", "fix: --traceback (before or after the command) for more"]
@@ -113,15 +116,6 @@ def _first_line(error: BaseException) -> str:
     original = getattr(error, "orig", None) or error
     lines = str(original).strip().splitlines()
     return (lines[0].strip() if lines else type(original).__name__)[:200]
-
-
-def _schema_missing(error: BaseException) -> bool:
-    """A missing table or column: the schema was never migrated, or is behind this code."""
-    original = getattr(error, "orig", None)
-    if isinstance(original, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
-        return True
-    text = str(original or error)
-    return "no such table" in text or "no such column" in text
 
 
 @click.group(name="durable", cls=ErrorBoundary)

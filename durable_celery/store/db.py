@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import shutil
+import sqlite3
 import tempfile
 import threading
 import time
@@ -34,7 +35,7 @@ from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
 from sqlalchemy.pool import NullPool, QueuePool
 
-from ..errors import DatabaseUnavailable, InvalidDefinition, Unsupported
+from ..errors import DatabaseUnavailable, InvalidDefinition, SchemaOutdated, Unsupported
 
 
 class Clock:
@@ -149,6 +150,16 @@ def connection_lost(error: BaseException, is_disconnect: bool = False) -> bool:
         # reason libpq gives), a socket closed under a statement, a connect timeout.
         return isinstance(error, psycopg.OperationalError)
     return error.sqlstate.startswith("08") or error.sqlstate in _SERVER_GONE
+
+
+def schema_missing(error: BaseException) -> bool:
+    """Whether a driver error names a table or column that is not there: the schema was never
+    migrated, or is behind this code."""
+    if isinstance(error, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
+        return True
+    text = str(error)
+    missing = text.startswith(("no such table", "no such column")) or " has no column named " in text
+    return isinstance(error, sqlite3.OperationalError) and missing
 
 
 def short_reason(error: BaseException) -> str:
@@ -335,8 +346,13 @@ class Database:
     def _raise_unavailable(self, context: ExceptionContext) -> None:
         # The one place driver errors of an outage become DatabaseUnavailable: every connect,
         # statement, begin and commit of this engine passes here, whoever opened the connection.
-        # SQLAlchemy raises what a handler raises ``from`` the driver's error.
-        if context.is_pre_ping or not connection_lost(context.original_exception, context.is_disconnect):
+        # SQLAlchemy raises what a handler raises ``from`` the driver's error. A missing table
+        # or column becomes SchemaOutdated here too, with the fix, instead of the SQL.
+        if context.is_pre_ping:
+            return
+        if schema_missing(context.original_exception):
+            raise SchemaOutdated(self.masked_url, short_reason(context.original_exception))
+        if not connection_lost(context.original_exception, context.is_disconnect):
             return
         context.is_disconnect = True  # drop the connection (and the pool): none of it is usable
         raise DatabaseUnavailable(self.masked_url, short_reason(context.original_exception))

@@ -25,8 +25,8 @@ import psycopg
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
-from ..errors import DatabaseUnavailable
-from .db import connection_lost, short_reason
+from ..errors import DatabaseUnavailable, SchemaOutdated
+from .db import connection_lost, schema_missing, short_reason
 
 
 class Compiled:
@@ -133,4 +133,6 @@ def _translated(db: Any, conn: Connection, sql: str, exc: psycopg.Error) -> Exce
     if connection_lost(exc, dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)):
         conn.invalidate(exc)
         return DatabaseUnavailable(db.masked_url, short_reason(exc))
+    if schema_missing(exc):
+        return SchemaOutdated(db.masked_url, short_reason(exc))
     return DBAPIError.instance(sql, None, exc, psycopg.Error, hide_parameters=True, dialect=dialect)
