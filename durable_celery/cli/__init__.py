@@ -23,22 +23,27 @@ from . import web as cli_web
 from .common import durable_of, or_fail
 from .key_report import blocks_new_starts
 
-# A database that cannot be used, however a command met it.
-UNUSABLE = (DatabaseUnavailable, NotConfigured, SchemaOutdated, SQLAlchemyError)
+# What a command's error may come from to be told as ``durable: ...``: an error of the package
+# (a database that cannot be used included), however the command met it.
+UNUSABLE = (DurableError, SQLAlchemyError)
+EXPLAINED = (DatabaseUnavailable, NotConfigured, SchemaOutdated, SQLAlchemyError)
 
 
 class ErrorBoundary(click.Group):
     """A group whose commands turn a database that cannot be used (down, wrong URL, unmigrated)
-    and every DurableError into ``durable: <what happened>`` and a hint on stderr, exit 1;
+    and every DurableError, raised or wrapped in a ClickException, into
+    ``durable: <what happened>`` and a hint on stderr, exit 1 (click's usage errors stay its own);
     ``--traceback`` shows the whole traceback instead."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except click.ClickException as exc:
-            if not isinstance(exc.__cause__, UNUSABLE):
+            cause = exc.__cause__
+            if not isinstance(cause, UNUSABLE):
                 raise
-            self._fail(ctx, exc, exc.__cause__)
+            # The command's own words for an error of the package; explained ones get their fix.
+            self._fail(ctx, exc, cause if isinstance(cause, EXPLAINED) else exc)
         except (DurableError, SQLAlchemyError, psycopg.Error) as exc:
             self._fail(ctx, exc, exc)
 
@@ -46,7 +51,11 @@ class ErrorBoundary(click.Group):
         if ctx.meta.get("durable.traceback"):
             click.echo("".join(traceback.format_exception(exc)).rstrip(), err=True)
         else:
-            what, *fix = explain(cause, _masked_url(ctx))
+            what, *fix = (
+                [cause.format_message()]
+                if isinstance(cause, click.ClickException)
+                else explain(cause, _masked_url(ctx))
+            )
             click.echo(f"durable: {what}", err=True)
             for line in fix:
                 click.echo(line, err=True)
@@ -109,6 +118,13 @@ def _unavailable_fix(error: DatabaseUnavailable) -> str:
         return "create that database (createdb NAME) or fix the database name in the URL"
     if ("role" in reason and "does not exist" in reason) or "authentication failed" in reason:
         return "check the user and password in the URL given to Durable(app, ...)"
+    if "does not support SSL" in reason:
+        return (
+            "the server accepts no SSL connections: enable ssl on the server, or remove the sslmode "
+            "parameter from the URL where the network is trusted"
+        )
+    if "SSL" in reason or "certificate" in reason:
+        return "check sslmode and the certificate files (sslrootcert, sslcert, sslkey) in the URL"
     return "check that the server is running and reachable from this host, and the host and port in the URL"
 
 

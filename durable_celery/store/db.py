@@ -113,6 +113,11 @@ def normalize_url(url: str) -> str:
         raise InvalidDefinition(
             f"unknown database scheme {parsed.drivername!r} in {masked_url(url)}; {_VALID_URLS}"
         ) from None
+    if parsed.get_backend_name() not in ("postgresql", "sqlite"):
+        raise InvalidDefinition(
+            f"durable keeps its runs in PostgreSQL or SQLite, not {parsed.get_backend_name()} "
+            f"({masked_url(url)}); {_VALID_URLS}"
+        )
     return parsed.render_as_string(hide_password=False)
 
 

@@ -135,7 +135,7 @@ def test_mistyped_scheme(cli, command):
     assert done.returncode == 1
     out = done.stdout + done.stderr
     assert PASSWORD not in out and len(out.strip().splitlines()) <= 2, out
-    assert "unknown database scheme 'postgresq' in postgresq://postgres:***@" in out
+    assert out.startswith("durable: unknown database scheme 'postgresq' in postgresq://postgres:***@"), out
     assert "use postgresql://user:password@host:port/dbname or sqlite:///" in out
     assert "Traceback" not in out
 
@@ -154,3 +154,34 @@ def test_without_a_durable(cli):
 def test_usage_errors_stay_click_s(cli):
     done = cli("unused", "runs", "--no-such-option", app="bareapp")
     assert done.returncode == 2 and "No such option" in done.stderr
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_a_database_durable_does_not_keep_runs_in(cli, command):
+    """A MySQL URL (its dialect exists, its driver may not) is refused in one line, on every
+    command alike, before any driver is imported."""
+    done = cli(f"mysql://root:{PASSWORD}@127.0.0.1/shop", *command)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "durable: durable keeps its runs in PostgreSQL or SQLite, not mysql (mysql://root:***@127.0.0.1/shop); "
+        "use postgresql://user:password@host:port/dbname or sqlite:///path/to/file.sqlite3"
+    ]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_sslmode_require_on_a_server_without_ssl_names_the_right_fix(cli, command):
+    done = cli(f"{PG_HOST}/postgres?sslmode=require", *command)
+    lines = assert_short(done, "server does not support SSL")
+    assert lines[1].startswith("fix: the server accepts no SSL connections")
+
+
+def test_the_python_api_refuses_a_mysql_url_in_one_line():
+    from celery import Celery
+
+    from durable_celery import Durable
+    from durable_celery.errors import InvalidDefinition
+
+    with pytest.raises(
+        InvalidDefinition, match=r"^durable keeps its runs in PostgreSQL or SQLite, not mysql"
+    ):
+        Durable(Celery("mysqlapp", broker="memory://"), "mysql://u:p@db/x", upkeep=False).list_runs()

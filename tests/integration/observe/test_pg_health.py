@@ -239,7 +239,7 @@ def test_tune_vacuum_gives_up_on_a_table_it_cannot_lock(pg_url, tmp_path):
         failed = cli("tune-vacuum", "--apply")
         assert time.monotonic() - started < 30
     assert failed.returncode == 1
-    assert "Error: durable_runs: ALTER TABLE durable_runs SET (" in failed.stderr
+    assert "durable: durable_runs: ALTER TABLE durable_runs SET (" in failed.stderr
     assert "lock timeout" in failed.stderr and len(failed.stderr.strip().splitlines()) == 1
     assert reloptions(pg_url) == {"durable_runs": None, "durable_steps": None}
 
