@@ -11,6 +11,29 @@ class NotConfigured(DurableError):
     """No ``Durable`` is bound to the Celery app in use."""
 
 
+class MissingExtra(NotConfigured):
+    """A feature needs an optional dependency that is not installed: the message says how to
+    install it, for a package installed from an index and for a checkout alike."""
+
+    def __init__(self, extra: str, what: str, reason: str = "") -> None:
+        self.extra = extra
+        hint = f"pip install 'durable-celery[{extra}]'"
+        if _in_checkout():
+            hint += f" (in this checkout: pip install -e '.[{extra}]')"
+        super().__init__(f"{what} needs the {extra} extra: {hint}" + (f" ({reason})" if reason else ""))
+
+
+def _in_checkout() -> bool:
+    """Whether this package runs from a source checkout (its pyproject.toml next to it)."""
+    from pathlib import Path
+
+    project = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        return 'name = "durable-celery"' in project.read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
 class InvalidDefinition(DurableError, ValueError):
     """A workflow or step was defined with options that cannot work."""
 

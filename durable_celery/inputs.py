@@ -4,6 +4,7 @@ before anything is written, with the field's place named in the error."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +38,8 @@ def check_key(key: Any) -> str | None:
 def check_input(data: Any, max_bytes: int | None = None) -> dict[str, Any]:
     """Return the run input as a dict of JSON values, or raise InvalidStart.
 
-    Refused: anything but a mapping with str field names; values JSON cannot hold; text with a
+    Refused: anything but a mapping with str field names; values JSON cannot hold (NaN and the
+    infinities named with their field's place); text with a
     NUL character or a lone surrogate (neither PostgreSQL nor UTF-8 can store them); nesting
     deeper than ``MAX_INPUT_DEPTH``; more than ``max_bytes`` bytes of JSON (when given).
     """
@@ -79,6 +81,10 @@ def _check_values(data: Mapping[str, Any]) -> None:
                 _check_text(name, f"field name {name!r} in {where}")
             if isinstance(item, str):
                 _check_text(item, f"{where}[{name!r}]")
+            elif isinstance(item, float) and not math.isfinite(item):
+                raise InvalidStart(
+                    f"{where}[{name!r}] is {item}, which JSON cannot hold; send None or a string instead"
+                )
             elif isinstance(item, (Mapping, list, tuple)):
                 pending.append((item, depth + 1, f"{where}[{name!r}]"))
 

@@ -271,6 +271,8 @@ def keys(
         if html_file.name != "-":
             click.echo(f"key report ({len(found)} keys) written to {html_file.name}")
         return
+    if prefix:  # the counts are the workflow's (or every workflow's), not only the listed keys'
+        click.echo(f"{f'workflow {workflow}' if workflow else 'every workflow'}, every key:")
     _echo_key_stats(d.stats.keys(workflow=workflow))
     click.echo("")
     click.echo(

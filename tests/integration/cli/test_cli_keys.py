@@ -144,6 +144,13 @@ def test_keys_prefix_escapes_like_wildcards_and_workflow_filters(durable, holder
     }
     text = cli("keys", "-w", "close", "--key", "done:")
     assert "1 key, 0 block new starts (workflow close, keys starting with 'done:')" in text
+    # The counts above the rows are the whole workflow's, and say so.
+    lines = cli("keys", "--key", "done:").splitlines()
+    assert lines[0] == "every workflow, every key:" and lines[1].startswith("keys held: 6 ")
+    assert lines[-1].startswith("2 keys, ") and lines[-1].endswith(
+        "(every workflow, keys starting with 'done:')"
+    )
+    assert cli("keys").splitlines()[0].startswith("keys held: 6 ")
     assert "give --json or --html, not both" in cli("keys", "--json", "--html", "-", code=2)
 
 

@@ -271,7 +271,12 @@ def test_a_key_postgres_cannot_store_is_invalid_key(shop, key, words):
         ({"order": {"bad\x00name": 1}}, ("field name", "NUL")),
         ({"order": "\ud800"}, ("input['order']", "surrogate")),
         ({"order": ["fine", {"note": "x\udfff"}]}, ("input['order'][1]['note']", "surrogate")),
-        ({"order": float("nan")}, ("JSON",)),
+        ({"order": float("nan")}, ("input['order'] is nan", "JSON cannot hold")),
+        (
+            {"order": {"lines": [1.5, float("inf")]}},
+            ("input['order']['lines'][1] is inf", "JSON cannot hold"),
+        ),
+        ({"order": {"total": -float("inf")}}, ("input['order']['total'] is -inf",)),
         ({"order": {1, 2}}, ("JSON",)),
     ],
 )
