@@ -23,6 +23,8 @@ from . import web as cli_web
 from .common import durable_of, or_fail
 from .key_report import blocks_new_starts
 
+STATUS_WIDTH = max(len(s) for s in STATUSES)  # compensation_failed, the longest
+
 # What a command's error may come from to be told as ``durable: ...``: an error of the package
 # (a database that cannot be used included), however the command met it.
 UNUSABLE = (DurableError, SQLAlchemyError)
@@ -181,10 +183,13 @@ def runs(
         for run in found:
             click.echo(json.dumps({**_run_dict(run), "key_blocks": _key_blocks(d, run)}, default=str))
         return
-    click.echo(f"{'id':36}  {'workflow':20}  {'status':12}  {'step':>4}  {'key':24}  {'holds':5}  created")
+    click.echo(
+        f"{'id':36}  {'workflow':20}  {'status':{STATUS_WIDTH}}  {'step':>4}  "
+        f"{'key':24}  {'holds':5}  created"
+    )
     for run in found:
         click.echo(
-            f"{run.id:36}  {run.workflow[:20]:20}  {run.status:12}  {run.step_index:>4}  "
+            f"{run.id:36}  {run.workflow[:20]:20}  {run.status:{STATUS_WIDTH}}  {run.step_index:>4}  "
             f"{(run.key or '-')[:24]:24}  {_holds(d, run):5}  "
             f"{run.created_at:%Y-%m-%d %H:%M:%S}"
         )
