@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from celery import signals as celery_signals
 
 from .. import signals
-from ..errors import NotConfigured
+from ..errors import MissingExtra
 from ..store import observe_rows
 from ..store.schema import UNFINISHED
 
@@ -55,9 +55,7 @@ def _client() -> Any:
     try:
         import prometheus_client
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise NotConfigured(
-            "durable metrics need prometheus-client: pip install 'durable-celery[metrics]'"
-        ) from exc
+        raise MissingExtra("metrics", "durable metrics (prometheus-client)", str(exc)) from exc
     return prometheus_client
 
 
