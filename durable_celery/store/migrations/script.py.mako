@@ -16,6 +16,10 @@ depends_on = ${repr(depends_on)}
 
 
 def upgrade() -> None:
+    # An index on an existing table is built CONCURRENTLY, outside the transaction, so writes
+    # go on while it builds (tests/unit/test_migration_rules.py checks it):
+    #     with op.get_context().autocommit_block():
+    #         op.create_index("ix_...", "durable_runs", [...], postgresql_concurrently=True)
     ${upgrades if upgrades else "pass"}
 
 
