@@ -31,6 +31,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo(f"schema: {len(pending)} revision(s) behind at {d.db.masked_url}; run `{migrate}`")
         sys.exit(1)
     info = d.status_summary()
+    info["late_schedules"] = _late_schedules(d)
     if as_json:
         click.echo(json.dumps(info, default=str))
         return
@@ -44,7 +45,15 @@ def status(ctx: click.Context, as_json: bool) -> None:
         f"stale locks: {info['stale_locks']}   disabled schedules: {len(info['disabled_schedules'])}"
     )
     for queue, ready in sorted(info["no_consumer"].items()):
-        click.echo(f"no consumer: queue {queue} has {ready} ready run(s) and no live worker consumes it")
+        click.echo(
+            f"no consumer: queue {queue} has {ready} ready run(s) and no live worker consumes it "
+            f"(start a worker with -Q {queue})"
+        )
+    for late in info["late_schedules"]:
+        click.echo(
+            f"late schedule: {late['name']} ({late['schedule']}) should have fired "
+            f"{_age(late['overdue_seconds'])} ago; is `{late['beat']}` running?"
+        )
     if info["unfinished_by_workflow"]:
         click.echo("")
         click.echo(f"{'workflow':30}  {'status':14}  {'runs':>6}  {'ready':>6}")
@@ -63,6 +72,25 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo("")
     for line in table_lines(info["tables"], d.db.is_postgres):
         click.echo(line)
+
+
+def _late_schedules(d: Any) -> list[dict[str, Any]]:
+    """Schedules overdue by more than their period plus a margin (beat is not firing them)."""
+    from redis.exceptions import RedisError
+
+    from ..schedules import beat_command
+
+    try:
+        found = d.list_schedules()
+    except RedisError as exc:  # RedBeat's Redis unreachable: the rest of the status still counts
+        click.echo(f"schedules: could not be read ({exc})", err=True)
+        return []
+    beat = beat_command(d.app)
+    return [
+        {"name": s.name, "schedule": s.schedule, "overdue_seconds": s.overdue_seconds, "beat": beat}
+        for s in found
+        if s.late
+    ]
 
 
 def _age(seconds: float) -> str:

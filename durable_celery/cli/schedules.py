@@ -32,6 +32,8 @@ def schedules(ctx: click.Context, as_json: bool) -> None:
     )
     for entry in found:
         outcome, next_fire = entry.last_outcome or "-", _next_fire(entry.enabled, entry.next_fire_at)
+        if entry.late:  # overdue by more than its period: nothing fires it
+            next_fire = f"late {entry.overdue_seconds:.0f}s"
         click.echo(
             f"{entry.name[:24]:24}  {entry.workflow[:16]:16}  {(entry.key or '-')[:20]:20}  "
             f"{entry.schedule[:14]:14}  {entry.source:8}  {next_fire:20}  "

@@ -22,7 +22,11 @@ Findings (``Finding.kind``):
   ``durable_schedules``, as the workers' upkeep does.
 * ``no_consumer``: ready runs on a queue that no live worker node consumes (seen within
   ``stale_lock_timeout``, not draining) and that is not paused: start a worker with ``-Q`` and
-  that queue. One finding per queue, with the count and the oldest ready time.
+  that queue, or have a running one consume it (``celery control add_consumer``). A node's
+  queues are its live consumer's, so a ``cancel_consumer`` counts. One finding per queue, with
+  the count and the oldest ready time.
+* ``schedule_late``: an enabled schedule whose fire is overdue by more than its period plus a
+  margin: no beat fires it. Start (or restart) ``celery beat`` with the app's scheduler.
 * ``dead_tuples``, ``vacuum_overdue``, ``long_transaction``: PostgreSQL's upkeep falling behind
   (see ``pg_health``); not fixable here.
 """
@@ -139,12 +143,14 @@ def diagnose(rt: Runtime, app: Any) -> list[Finding]:
     found += [
         Finding(
             kind="no_consumer",
-            message=f"{r.ready} ready run(s) on queue {r.queue!r}, which no live worker consumes",
+            message=f"{r.ready} ready run(s) on queue {r.queue!r}, which no live worker consumes: "
+            f"start a worker with -Q {r.queue} (or `celery control add_consumer {r.queue}`)",
             details={"queue": r.queue, "ready": r.ready, "oldest_ready_at": _when(r.oldest_ready_at)},
         )
         for r in unconsumed
     ]
     found += _missing_schedules(rt, app)
+    found += _late_schedules(rt, app)
     found += [Finding(kind=i.kind, message=i.message, details=i.details) for i in upkeep]
     return found
 
@@ -168,6 +174,35 @@ def _missing_schedules(rt: Runtime, app: Any) -> list[Finding]:
             fixable=True,
         )
         for r in rows
+    ]
+
+
+def _late_schedules(rt: Runtime, app: Any) -> list[Finding]:
+    from redis.exceptions import RedisError
+
+    from ..schedules import beat_command, late_schedules
+
+    try:
+        late = late_schedules(rt, app)
+    except RedisError as exc:  # RedBeat's Redis unreachable: the other findings still count
+        log.warning("durable doctor: could not check schedule fire times: %s", exc)
+        return []
+    beat = beat_command(app)
+    return [
+        Finding(
+            kind="schedule_late",
+            message=f"schedule {s.name!r} ({s.schedule}) should have fired {s.overdue_seconds:.0f}s ago: "
+            f"is `{beat}` running?",
+            workflow=s.workflow,
+            details={
+                "schedule": s.name,
+                "key": s.key,
+                "overdue_seconds": round(s.overdue_seconds, 1),
+                "last_fire_at": _when(s.last_fire_at),
+                "beat": beat,
+            },
+        )
+        for s in late
     ]
 
 

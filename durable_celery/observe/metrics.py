@@ -10,7 +10,8 @@
   a step that failed for good also ends its task in ``FAILURE``, and is not counted);
 * **gauges read from the database at scrape time**, the same from any process: the ready
   backlog and the age of the oldest ready run per workflow, unfinished runs per status, runs
-  finished in the last hour per status, stale locks and disabled schedules. A read is reused
+  finished in the last hour per status, stale locks, disabled schedules and late ones (beat
+  down; read from RedBeat too, where it keeps the schedules). A read is reused
   for ``METRICS_CACHE_SECONDS``, so scrapes in quick succession (several Prometheus servers,
   a dashboard) cost the database nothing more.
 
@@ -36,7 +37,7 @@ from celery import signals as celery_signals
 
 from .. import signals
 from ..errors import MissingExtra
-from ..store import observe_rows
+from ..store import observe_rows, schedule_rows
 from ..store.schema import UNFINISHED
 
 if TYPE_CHECKING:
@@ -68,13 +69,15 @@ class DatabaseRows:
     recent: Sequence[Any]
     stale: int
     disabled: int
+    late: int | None = None  # schedules overdue by more than their period; None: not read
 
 
 class DatabaseCollector:
     """Gauges from the database, read at scrape time and reused for ``cache_seconds``."""
 
-    def __init__(self, rt: Runtime, cache_seconds: float = METRICS_CACHE_SECONDS) -> None:
+    def __init__(self, rt: Runtime, cache_seconds: float = METRICS_CACHE_SECONDS, app: Any = None) -> None:
         self.rt = rt
+        self.app = app  # with an app, schedules are read too (durable_schedules_late)
         self.cache_seconds = cache_seconds
         self._lock = threading.Lock()  # concurrent scrapes wait for one read instead of each reading
         self._read_at: float | None = None  # time.monotonic() of the last read, None: read next time
@@ -124,13 +127,29 @@ class DatabaseCollector:
     def _read(self) -> DatabaseRows:
         rt, db = self.rt, self.rt.db
         with db.engine.connect() as conn:
+            schedules = schedule_rows.fetch_schedules(conn)  # the disabled ones and the late ones
             return DatabaseRows(
                 ready=observe_rows.ready_by_workflow(db, conn),
                 unfinished=observe_rows.unfinished_by_workflow(conn),
                 recent=observe_rows.finished_since(db, conn, RECENT),
                 stale=observe_rows.stale_lock_count(db, conn, rt.settings.stale_lock_timeout),
-                disabled=len(observe_rows.disabled_schedules(conn)),
+                disabled=sum(not r.enabled for r in schedules),
+                late=self._late_schedules(schedules),
             )
+
+    def _late_schedules(self, rows: Sequence[Any]) -> int | None:
+        """How many schedules are late (beat not firing them); None without an app or Redis."""
+        if self.app is None:
+            return None
+        from redis.exceptions import RedisError
+
+        from ..schedules import late_schedules
+
+        try:
+            return len(late_schedules(self.rt, self.app, rows))
+        except RedisError as exc:
+            log.warning("durable metrics: could not read the schedules: %s", exc)
+            return None
 
     def _families(self, rows: DatabaseRows, gauge: Any) -> list[Any]:
         now = self.rt.db.utcnow()
@@ -159,7 +178,14 @@ class DatabaseCollector:
         stale_gauge.add_metric([], rows.stale)
         schedules = gauge("durable_schedules_disabled", "Cron schedules turned off")
         schedules.add_metric([], rows.disabled)
-        return [backlog, oldest, runs, finished, stale_gauge, schedules]
+        families = [backlog, oldest, runs, finished, stale_gauge, schedules]
+        if rows.late is not None:
+            late = gauge(
+                "durable_schedules_late", "Schedules overdue by more than their period: is beat running?"
+            )
+            late.add_metric([], rows.late)
+            families.append(late)
+        return families
 
 
 def _aware(value: Any) -> Any:
@@ -214,7 +240,7 @@ class DurableMetrics:
             registry=self.registry,
         )
         rt.db.pool_wait_observers.append(self.pool_wait.observe)
-        self.collector = DatabaseCollector(rt)
+        self.collector = DatabaseCollector(rt, app=app)
         self.registry.register(self.collector)
         self.server: Any = None  # the HTTP server of start_http_server, once started
         self._connect()

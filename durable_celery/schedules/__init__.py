@@ -10,6 +10,10 @@ with the schedule's key, so the workflow's ``on_duplicate`` decides what a fire 
 last run still holds the key. A run's outcome is judged at the schedule's next fire: completed
 resets the failure count; failed, or not picked up by any worker within
 ``schedule_pickup_timeout``, counts one; ``schedule_max_failures`` in a row switch it off.
+
+A schedule is *late* when its fire is overdue by more than its period plus ``LATE_MARGIN`` (and
+beat's loop interval): two fires missed, so beat is most likely down (``doctor``'s finding
+``schedule_late``, ``status``, the dashboard, the gauge ``durable_schedules_late``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -50,6 +55,9 @@ log = logging.getLogger("durable_celery")
 
 UNSET: Any = object()
 
+#: Seconds a schedule may be overdue beyond its period (plus beat's loop interval) before it is late.
+LATE_MARGIN = 10.0
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -67,6 +75,8 @@ class Schedule:
     last_run_id: str | None = None
     last_fire_at: datetime | None = None
     next_fire_at: datetime | None = None
+    overdue_seconds: float = 0.0  # how long ago its next fire was due (0: not yet due)
+    late: bool = False  # overdue by more than its period plus a margin: is beat running?
 
 
 # -- definitions ------------------------------------------------------------------------------
@@ -303,13 +313,15 @@ def remove(rt: Runtime, app: Any, name: str) -> bool:
     return deleted or entry is not None
 
 
-def list_all(rt: Runtime, app: Any) -> list[Schedule]:
-    """Every schedule: config entries, RedBeat entries and rows, by name."""
+def list_all(rt: Runtime, app: Any, rows: Sequence[Any] | None = None) -> list[Schedule]:
+    """Every schedule: config entries, RedBeat entries and rows (those given, or read), by name."""
     config, redbeat = config_entries(app), redbeat_entries(app)
-    with rt.db.engine.connect() as conn:
-        rows = {r.name: r for r in schedule_rows.fetch_schedules(conn)}
-    names = sorted(set(config) | set(redbeat) | set(rows))
-    return [_describe(app, n, config.get(n), redbeat.get(n), rows.get(n)) for n in names]
+    if rows is None:
+        with rt.db.engine.connect() as conn:
+            rows = schedule_rows.fetch_schedules(conn)
+    by_name = {r.name: r for r in rows}
+    names = sorted(set(config) | set(redbeat) | set(by_name))
+    return [_describe(app, n, config.get(n), redbeat.get(n), by_name.get(n)) for n in names]
 
 
 def get(rt: Runtime, app: Any, name: str) -> Schedule:
@@ -350,6 +362,7 @@ def _describe(app: Any, name: str, config: Any, entry: Any, row: Any) -> Schedul
             "last_fire_at": aware(row.last_fire_at),
         }
     enabled = state.get("enabled", True) and (entry is None or entry.enabled)
+    timing = _timing(app, kwargs, entry, row) if enabled else {"next_fire_at": None}
     return Schedule(
         name=name,
         workflow=kwargs["workflow"],
@@ -358,11 +371,12 @@ def _describe(app: Any, name: str, config: Any, entry: Any, row: Any) -> Schedul
         input=kwargs.get("input") or {},
         source=source,
         **{**state, "enabled": enabled},
-        next_fire_at=_next_fire(app, kwargs, entry, row) if enabled else None,
+        **timing,
     )
 
 
-def _next_fire(app: Any, kwargs: dict[str, Any], entry: Any, row: Any) -> datetime | None:
+def _timing(app: Any, kwargs: dict[str, Any], entry: Any, row: Any) -> dict[str, Any]:
+    """The next fire (now if overdue), how long it is overdue, and whether that makes it late."""
     # Not RedBeat's entry.due_at: it adds the time left *from now* to last_run_at, which is early
     # by however long ago the last fire was (a restored entry could show a next fire in the past).
     if entry is not None:
@@ -371,13 +385,42 @@ def _next_fire(app: Any, kwargs: dict[str, Any], entry: Any, row: Any) -> dateti
         try:
             sched, _ = parse_schedule(app, kwargs.get("schedule"))
         except InvalidArgument:
-            return None
+            return {"next_fire_at": None}
         last = None if row is None else row.last_fire_at or row.created_at
     now = utcnow()
-    if last is None:
-        return now
+    if last is None:  # never fired, and nothing tells since when it is due
+        return {"next_fire_at": now}
     left = sched.remaining_estimate(aware(last))
-    return None if left is None else max(now, now + left)
+    if left is None:
+        return {"next_fire_at": None}
+    overdue = max(0.0, -left.total_seconds())
+    margin = LATE_MARGIN + float(app.conf.get("beat_max_loop_interval") or 0)
+    late = overdue > 0 and overdue > period_of(sched, now + left) + margin
+    return {"next_fire_at": max(now, now + left), "overdue_seconds": overdue, "late": late}
+
+
+def period_of(sched: Any, due: datetime) -> float:
+    """Seconds from the fire due at ``due`` to the one after it."""
+    if isinstance(sched, every):
+        return float(sched.run_every.total_seconds())
+    # A cron slot is a whole minute: the slot after the one due is found from a second past it.
+    following = sched.remaining_estimate(due + timedelta(seconds=1))
+    return 0.0 if following is None else (utcnow() + following - due).total_seconds()
+
+
+def late_schedules(rt: Runtime, app: Any, rows: Sequence[Any] | None = None) -> list[Schedule]:
+    """Enabled schedules overdue by more than their period plus a margin (beat is not firing);
+    ``rows``: the ``durable_schedules`` rows when already read."""
+    return [s for s in list_all(rt, app, rows) if s.late]
+
+
+def beat_command(app: Any) -> str:
+    """The ``celery beat`` command line that fires this app's schedules."""
+    if uses_redbeat(app):
+        return "celery beat -S redbeat.RedBeatScheduler"
+    if uses_durable_scheduler(app):
+        return "celery beat -S durable_celery.beat:DurableScheduler"
+    return "celery beat"
 
 
 def _ensure_row(rt: Runtime, schedule: Schedule) -> None:

@@ -3,6 +3,11 @@
 A fire judges the schedule's last run, starts the workflow by name with the schedule's key (the
 workflow's ``on_duplicate`` decides what it gets while the key is held), and records the
 outcome and the failure count in one statement.
+
+A fire of a workflow that this app does not define, and that no worker node of its database
+has ever announced, is refused like Celery's unregistered task: an error names the workflow and
+the app, the task fails with ``UnknownWorkflow``, and nothing is written. It was meant for
+another app sharing the broker and the queue.
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ from ..core.control import after_commit, cancel
 from ..core.keys import start_run
 from ..core.runs import new_run
 from ..definition import SendEvent, Workflow
-from ..errors import DurableError, KeyTaken
+from ..errors import DurableError, KeyTaken, UnknownWorkflow
 from ..inputs import check_input
 from ..models import aware
-from ..store import activity_rows, queries, schedule_rows
+from ..store import activity_rows, node_rows, queries, schedule_rows
 from ..store.schema import FINISHED
 from .entries import (
     FIRE_TASK,
@@ -50,6 +55,7 @@ def fire(
     manual: bool = False,
 ) -> dict[str, Any]:
     """Run one fire of a schedule: judge the last run, start with the key, record the outcome."""
+    refuse_unknown(rt, app, name, workflow)
     db = rt.db
     with db.engine.connect() as conn:
         row = schedule_rows.fetch_schedule(conn, name)
@@ -74,6 +80,24 @@ def fire(
             log.warning("durable: schedule %s could not start: %s", name, result["error"])
     record(rt, app, row, verdict, result)
     return result
+
+
+def refuse_unknown(rt: Runtime, app: Any, name: str, workflow: str) -> None:
+    """UnknownWorkflow (and an error logged) when neither this app nor any worker node of its
+    database has the workflow: the fire was taken by the wrong app."""
+    if workflow in rt.registry.workflows:
+        return
+    with rt.db.engine.connect() as conn:
+        nodes = node_rows.list_nodes(conn)
+    if any(workflow in (node.steps or {}) for node in nodes):
+        return  # a node with the code runs the run this fire creates (a rolling deploy)
+    message = (
+        f"refused a fire of schedule {name!r}: workflow {workflow!r} is not defined in app "
+        f"{getattr(app, 'main', None)!r}, and no worker node of its database has it; nothing was "
+        "written (is the fire meant for another app on the same broker and queue?)"
+    )
+    log.error("durable: %s", message)
+    raise UnknownWorkflow(message)
 
 
 def was_deleted(rt: Runtime, app: Any, name: str) -> bool:
@@ -129,8 +153,8 @@ def start_fire(
 ) -> dict[str, Any]:
     """Start the workflow by name with the schedule's key, by the workflow's ``on_duplicate``.
 
-    A worker without the workflow's code still creates the run; it is left for the relay of a
-    node that has the code to send."""
+    A worker without the workflow's code (a node of its database has it, ``refuse_unknown``)
+    still creates the run; it is left for the relay of a node that has the code to send."""
     known = rt.registry.workflows.get(workflow)
     wf = known if known is not None and known.steps else _stand_in(workflow, policy)
     try:

@@ -22,6 +22,7 @@ from durable_celery import (
     Unsupported,
 )
 from durable_celery import schedules as schedules_module
+from durable_celery.store import node_rows
 from durable_celery.store.db import utcnow
 from durable_celery.testing import wait_for, worker
 from tests.conftest import FAST, REDIS_URL
@@ -133,7 +134,10 @@ def test_a_run_no_worker_picks_up_counts_as_a_failure(make_durable):
     producer = make_durable(schedule_pickup_timeout=0.5)
     wf = define(producer, "remote_job")
     configure(producer, remote=producer.beat_entry(wf, 60, key="r", name="remote"))
-    # A worker without the workflow's code runs the fire: the run is created by name.
+    # A worker without the workflow's code runs the fire: the run is created by name, since a
+    # node with the code has been seen by this database (a rolling deploy).
+    with producer.db.begin() as conn:
+        node_rows.register_node_txn(producer.db, conn, "coded@test", ["q"], 1, {"remote_job": ["work"]})
     bare = make_durable("bare", schedule_pickup_timeout=0.5)
     kwargs = producer.app.conf.beat_schedule["remote"]["kwargs"]
     assert "remote_job" not in bare.workflows
