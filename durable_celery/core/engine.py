@@ -187,12 +187,20 @@ class Engine:
         return stop_reason(fence, active.fence)
 
     def record_lost(
-        self, workflow: Workflow, step: Step, run_id: str, pid: int, reason: str, compensate: bool = False
+        self,
+        workflow: Workflow,
+        step: Step,
+        run_id: str,
+        pid: int,
+        reason: str,
+        compensate: bool = False,
+        error: type[WorkerLost] | None = None,
     ) -> str:
         """A pool process died while running this step (seen by the worker that forked it): the
-        attempt is used and recorded failed with ``WorkerLost``; the run backs off, fails or
-        compensates by the step's ``retry``, as if the step had raised. Returns what happened
-        ('retrying', 'failed', ...; 'dropped' when the process held no lock on the run)."""
+        attempt is used and recorded failed with ``WorkerLost`` (or ``error``: ``Terminated``
+        for a control command's terminate); the run backs off, fails or compensates by the
+        step's ``retry``, as if the step had raised. Returns what happened ('retrying',
+        'failed', ...; 'dropped' when the process held no lock on the run)."""
         with self.db.engine.connect() as conn:
             row = queries.run_held_by(conn, run_id, f"{process_node(pid)}:")
         if row is None:
@@ -202,7 +210,8 @@ class Engine:
                 return "dropped"
             step = workflow.steps[row.step_index]  # a step it went on to inline (continuation.py)
         ctx = _context(row, step, None)  # nothing runs: the process is gone
-        outcome = Outcome(error=WorkerLost(f"the process running step {step.name!r} died: {reason}"))
+        lost = (error or WorkerLost)(f"the process running step {step.name!r} died: {reason}")
+        outcome = Outcome(error=lost)
         log.warning("durable: run %s step %s lost its process (%s)", row.id, step.name, reason)
         # The claim's time is not kept; its last beat is (naive from SQLite: made aware).
         started = aware(row.heartbeat_at) or self.db.utcnow()
@@ -210,6 +219,21 @@ class Engine:
         if compensate:
             return self._record_compensation(workflow, step, row, outcome, started, worker)
         return self._record(workflow, step, row, ctx, outcome, started, worker)
+
+    def hand_back_lost(self, run_id: str, pid: int, reason: str) -> str:
+        """A pool process that held this run is gone, stopped by its worker (a cold shutdown):
+        hand the run back, due now, without using an attempt (activity ``handed_back``)."""
+        with self.db.engine.connect() as conn:
+            row = queries.run_held_by(conn, run_id, f"{process_node(pid)}:")
+        if row is None:
+            return "dropped"
+        with self.db.begin() as conn:
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, 0)
+            if done:
+                details = {"step": row.step_name, "node": process_node(pid), "reason": reason}
+                activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
+        log.warning("durable: run %s step %s handed back: %s", row.id, row.step_name, reason)
+        return "handed_back" if done else "dropped"
 
     # -- results --------------------------------------------------------------------------
 
@@ -473,6 +497,12 @@ class Engine:
             return
         log.warning("durable: draining; running steps get %.0fs to finish", grace)
         self._drain_at.value = time.time() + grace
+        self.heartbeater.poke()
+
+    def hand_back_now(self) -> None:
+        """End the grace period now (a cold shutdown): this process's running steps are stopped
+        and their runs handed back."""
+        self._drain_at.value = time.time()
         self.heartbeater.poke()
 
     def undrain(self) -> None:

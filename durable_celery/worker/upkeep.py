@@ -26,7 +26,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
+from celery import signals as celery_signals
 from celery.exceptions import WorkerShutdown
+from celery.worker import state as worker_state
 
 from ..capabilities import Capability
 from ..core import prune, queues
@@ -42,6 +44,7 @@ from ..core.sweeps import (
 from ..schedules import restore_schedules_once
 from ..store import migrate, node_rows
 from .app_argument import app_argument as _app_argument
+from .lost import wait_recorded
 from .nodes import Node
 from .relay import BrokerDown, relay_once
 
@@ -269,6 +272,7 @@ def install(rt: Runtime, engine: Engine, app: Any) -> None:
 
         def create(self, worker: Any) -> Upkeep | None:
             engine.worker_pid = os.getpid()  # before the pool forks: drain() from a child
+            celery_signals.worker_shutdown.connect(self.on_worker_shutdown, sender=worker)
             # Task events on from the start (-E): inline steps send theirs from the first one.
             sends = getattr(worker, "task_events", None) or worker.app.conf.worker_send_task_events
             engine.task_events.value = int(bool(sends))
@@ -283,8 +287,9 @@ def install(rt: Runtime, engine: Engine, app: Any) -> None:
         def stop(self, worker: Any) -> None:
             # Steps stop in reverse order: the consumer has stopped taking work, the pool
             # (stopped after this) waits for running steps; those still running after the
-            # grace period are handed back.
-            engine.drain(rt.settings.shutdown_grace_period)
+            # grace period are handed back. A cold shutdown that ends up here (the threads
+            # pool cannot cancel its steps, so Celery stops it warm) hands them back at once.
+            engine.drain(0.0 if worker_state.should_terminate else rt.settings.shutdown_grace_period)
             upkeep = getattr(self, "obj", None)
             if upkeep is not None:
                 upkeep._guarded(upkeep.mark_draining)
@@ -293,9 +298,24 @@ def install(rt: Runtime, engine: Engine, app: Any) -> None:
         def terminate(self, worker: Any) -> None:
             # A cold shutdown: no grace period, but the node is leaving all the same, so other
             # nodes stop counting on its code at once (rollout.py) and its queues' consumers.
+            # The steps it cancelled are being handed back (lost.py): let those writes land.
+            wait_recorded(STOP_WAIT)
             upkeep = getattr(self, "obj", None)
             if upkeep is not None:
                 upkeep._guarded(upkeep.mark_draining)
             super().terminate(worker)
+
+        def on_worker_shutdown(self, sender: Any = None, **_: Any) -> None:
+            """A cold shutdown that cut a warm one short: the threads pool cannot cancel its
+            steps, so Celery leaves them running as the process ends; hand them back first."""
+            if not worker_state.should_terminate:
+                return
+            engine.hand_back_now()
+            deadline = time.monotonic() + STOP_WAIT
+            while time.monotonic() < deadline and any(
+                getattr(request.task, "durable_engine", None) is engine
+                for request in list(worker_state.active_requests)
+            ):
+                time.sleep(0.02)
 
     app.steps["worker"].add(DurableUpkeep)
