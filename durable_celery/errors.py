@@ -103,6 +103,38 @@ class DatabaseUnavailable(DurableError):
     def __reduce__(self) -> tuple[type[DatabaseUnavailable], tuple[str, str]]:
         return (type(self), (self.url, self.reason))
 
+    @property
+    def misconfigured(self) -> bool:
+        """Whether the URL, not an outage, is at fault (no such database or user, a password
+        refused, SSL the server does not speak): waiting will not help."""
+        reason = self.reason
+        return (
+            "does not exist" in reason
+            or "authentication failed" in reason
+            or "no password supplied" in reason
+            or "SSL" in reason
+            or "certificate" in reason
+        )
+
+    @property
+    def fix(self) -> str:
+        """What to do about it, in a few words."""
+        reason = self.reason
+        if "database" in reason and "does not exist" in reason:
+            return "create that database (createdb NAME) or fix the database name in the URL"
+        if ("role" in reason and "does not exist" in reason) or "authentication failed" in reason:
+            return "check the user and password in the URL given to Durable(app, ...)"
+        if "does not support SSL" in reason:
+            return (
+                "the server accepts no SSL connections: enable ssl on the server, or remove the sslmode "
+                "parameter from the URL where the network is trusted"
+            )
+        if "SSL" in reason or "certificate" in reason:
+            return "check sslmode and the certificate files (sslrootcert, sslcert, sslkey) in the URL"
+        return (
+            "check that the server is running and reachable from this host, and the host and port in the URL"
+        )
+
 
 class SchemaOutdated(DurableError):
     """The database has no durable schema, or one older than this code: migrate it."""

@@ -98,7 +98,7 @@ def _masked_url(ctx: click.Context) -> str:
 def explain(error: BaseException, url: str) -> list[str]:
     """What happened (one line) and, when there is one, what to do (a line starting "fix:")."""
     if isinstance(error, DatabaseUnavailable):
-        return [f"database unavailable at {error.url} ({error.reason})", f"fix: {_unavailable_fix(error)}"]
+        return [f"database unavailable at {error.url} ({error.reason})", f"fix: {error.fix}"]
     if isinstance(error, NotConfigured):
         return [str(error)]
     if isinstance(error, SchemaOutdated):
@@ -112,22 +112,6 @@ def explain(error: BaseException, url: str) -> list[str]:
     if isinstance(error, ArgumentError):  # a URL SQLAlchemy cannot use (parsed after the import)
         return [f"cannot use the database URL {url} ({reason})", "fix: use postgresql://... or sqlite:///..."]
     return [f"database error at {url}: {reason}", "fix: --traceback (before or after the command) for more"]
-
-
-def _unavailable_fix(error: DatabaseUnavailable) -> str:
-    reason = error.reason
-    if "database" in reason and "does not exist" in reason:
-        return "create that database (createdb NAME) or fix the database name in the URL"
-    if ("role" in reason and "does not exist" in reason) or "authentication failed" in reason:
-        return "check the user and password in the URL given to Durable(app, ...)"
-    if "does not support SSL" in reason:
-        return (
-            "the server accepts no SSL connections: enable ssl on the server, or remove the sslmode "
-            "parameter from the URL where the network is trusted"
-        )
-    if "SSL" in reason or "certificate" in reason:
-        return "check sslmode and the certificate files (sslrootcert, sslcert, sslkey) in the URL"
-    return "check that the server is running and reachable from this host, and the host and port in the URL"
 
 
 def _first_line(error: BaseException) -> str:

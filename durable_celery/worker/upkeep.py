@@ -41,6 +41,7 @@ from ..core.sweeps import (
     trim_activity_once,
     wake_missed_once,
 )
+from ..errors import DatabaseUnavailable
 from ..schedules import restore_schedules_once
 from ..store import migrate, node_rows
 from .app_argument import app_argument as _app_argument
@@ -230,6 +231,14 @@ def refuse_old_schema(rt: Runtime) -> None:
         raise WorkerShutdown(1)
     try:
         pending = migrate.pending_revisions(rt.db)
+    except DatabaseUnavailable as exc:
+        if exc.misconfigured:  # no such database or user: a configuration error, not an outage
+            message = f"durable: database unavailable at {exc.url} ({exc.reason}); fix: {exc.fix}"
+            log.critical(message)
+            print(message, file=sys.stderr, flush=True)
+            raise WorkerShutdown(1) from None
+        log.error("durable: could not check the database schema at start (%s)", exc.reason)
+        return
     except Exception as exc:  # the database is away: the worker starts and waits for it
         log.error("durable: could not check the database schema at start (%s)", str(exc).splitlines()[0])
         return
