@@ -279,9 +279,15 @@ class Durable:
 
     def drain(self) -> None:
         """Shut down the worker this code runs in, gracefully: stop taking work, give running
-        steps ``shutdown_grace_period`` seconds, then hand the rest back."""
+        steps ``shutdown_grace_period`` seconds, then hand the rest back. InvalidArgument in a
+        process that runs no worker (send the worker SIGTERM, or ``celery control shutdown``)."""
         from celery.worker import state
 
+        if not self.engine.worker_pid:
+            raise InvalidArgument(
+                "drain() shuts down the worker it runs in, and this process runs none: send the "
+                "worker SIGTERM, or run `celery -A <app> control shutdown --destination <node>`"
+            )
         self.engine.drain(self.settings.shutdown_grace_period)
         main = self.engine.worker_pid
         if main and main != os.getpid():  # a prefork pool process: tell its worker, the parent

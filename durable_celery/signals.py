@@ -24,6 +24,9 @@ stale_recovered = Signal(name="durable_stale_recovered", providing_args={"run_id
 key_duplicate = Signal(name="durable_key_duplicate", providing_args={"run_id", "workflow", "key", "outcome"})
 key_handoff = Signal(name="durable_key_handoff", providing_args={"run_id", "workflow", "key", "previous_id"})
 key_release = Signal(name="durable_key_release", providing_args={"run_id", "workflow", "key", "by"})
+# A worker begins its graceful shutdown (SIGTERM, durable.drain(), celery control shutdown):
+# sent in the worker's main process, before its running steps get their grace period.
+worker_draining = Signal(name="durable_worker_draining", providing_args={"node", "grace"})
 
 __all__ = [
     "run_started",
@@ -35,4 +38,5 @@ __all__ = [
     "key_duplicate",
     "key_handoff",
     "key_release",
+    "worker_draining",
 ]

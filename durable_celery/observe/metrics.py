@@ -10,7 +10,7 @@
   a step that failed for good also ends its task in ``FAILURE``, and is not counted);
 * **gauges read from the database at scrape time**, the same from any process: the ready
   backlog and the age of the oldest ready run per workflow, unfinished runs per status, runs
-  finished in the last hour per status, stale locks, disabled schedules and late ones (beat
+  finished in the last hour per status, stale locks, draining nodes, disabled schedules and late ones (beat
   down; read from RedBeat too, where it keeps the schedules). A read is reused
   for ``METRICS_CACHE_SECONDS``, so scrapes in quick succession (several Prometheus servers,
   a dashboard) cost the database nothing more.
@@ -70,6 +70,7 @@ class DatabaseRows:
     stale: int
     disabled: int
     late: int | None = None  # schedules overdue by more than their period; None: not read
+    draining: int = 0  # worker nodes in a graceful shutdown
 
 
 class DatabaseCollector:
@@ -128,12 +129,14 @@ class DatabaseCollector:
         rt, db = self.rt, self.rt.db
         with db.engine.connect() as conn:
             schedules = schedule_rows.fetch_schedules(conn)  # the disabled ones and the late ones
+            stale, draining = observe_rows.stale_and_draining(db, conn, rt.settings.stale_lock_timeout)
             return DatabaseRows(
                 ready=observe_rows.ready_by_workflow(db, conn),
                 unfinished=observe_rows.unfinished_by_workflow(conn),
                 recent=observe_rows.finished_since(db, conn, RECENT),
-                stale=observe_rows.stale_lock_count(db, conn, rt.settings.stale_lock_timeout),
+                stale=stale,
                 disabled=sum(not r.enabled for r in schedules),
+                draining=draining,
                 late=self._late_schedules(schedules),
             )
 
@@ -178,7 +181,9 @@ class DatabaseCollector:
         stale_gauge.add_metric([], rows.stale)
         schedules = gauge("durable_schedules_disabled", "Cron schedules turned off")
         schedules.add_metric([], rows.disabled)
-        families = [backlog, oldest, runs, finished, stale_gauge, schedules]
+        draining = gauge("durable_nodes_draining", "Worker nodes in a graceful shutdown (draining)")
+        draining.add_metric([], rows.draining)
+        families = [backlog, oldest, runs, finished, stale_gauge, schedules, draining]
         if rows.late is not None:
             late = gauge(
                 "durable_schedules_late", "Schedules overdue by more than their period: is beat running?"

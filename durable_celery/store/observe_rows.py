@@ -54,11 +54,14 @@ def finished_since(db: Database, conn: Connection, seconds: float) -> Sequence[A
 
 def stale_lock_count(db: Database, conn: Connection, stale_after: float) -> int:
     """How many runs are locked by a worker silent for ``stale_after`` seconds."""
-    query = select(func.count()).where(
+    return int(conn.execute(_stale_locks(db, stale_after)).scalar() or 0)
+
+
+def _stale_locks(db: Database, stale_after: float) -> Any:
+    return select(func.count()).where(
         runs.c.locked_by.is_not(None),
         or_(runs.c.heartbeat_at.is_(None), runs.c.heartbeat_at < db.later(-stale_after)),
     )
-    return int(conn.execute(query).scalar() or 0)
 
 
 def disabled_schedules(conn: Connection) -> Sequence[Any]:
@@ -76,6 +79,17 @@ def disabled_schedules(conn: Connection) -> Sequence[Any]:
         .order_by(schedules.c.name)
     )
     return conn.execute(query).all()
+
+
+def stale_and_draining(db: Database, conn: Connection, stale_after: float) -> tuple[int, int]:
+    """In one statement: runs locked by a worker silent for ``stale_after`` seconds, and worker
+    nodes seen within that time that are shutting down gracefully (draining)."""
+    stale = _stale_locks(db, stale_after).scalar_subquery()
+    draining = select(func.count()).where(
+        nodes.c.draining.is_(True), nodes.c.seen_at >= db.later(-stale_after)
+    )
+    row = conn.execute(select(stale, draining.scalar_subquery())).one()
+    return int(row[0] or 0), int(row[1] or 0)
 
 
 def list_nodes(conn: Connection) -> Sequence[Any]:

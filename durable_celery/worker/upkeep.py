@@ -30,6 +30,7 @@ from celery import signals as celery_signals
 from celery.exceptions import WorkerShutdown
 from celery.worker import state as worker_state
 
+from .. import signals
 from ..capabilities import Capability
 from ..core import prune, queues
 from ..core.sweeps import (
@@ -222,6 +223,14 @@ class Upkeep:
         return result
 
 
+def announce_draining(rt: Runtime, worker: Any, grace: float) -> None:
+    """Send ``signals.worker_draining``: this worker begins its graceful shutdown."""
+    try:
+        signals.worker_draining.send(sender=rt.sender, node=getattr(worker, "hostname", None), grace=grace)
+    except Exception:  # a receiver's error must not stop the shutdown
+        log.exception("durable: a worker_draining receiver failed")
+
+
 def refuse_old_schema(rt: Runtime) -> None:
     """Stop a starting worker whose database is behind this code's schema (exit code 1), with
     one line naming the pending revisions and the command that applies them."""
@@ -298,7 +307,9 @@ def install(rt: Runtime, engine: Engine, app: Any) -> None:
             # (stopped after this) waits for running steps; those still running after the
             # grace period are handed back. A cold shutdown that ends up here (the threads
             # pool cannot cancel its steps, so Celery stops it warm) hands them back at once.
-            engine.drain(0.0 if worker_state.should_terminate else rt.settings.shutdown_grace_period)
+            grace = 0.0 if worker_state.should_terminate else rt.settings.shutdown_grace_period
+            engine.drain(grace)
+            announce_draining(rt, worker, grace)
             upkeep = getattr(self, "obj", None)
             if upkeep is not None:
                 upkeep._guarded(upkeep.mark_draining)

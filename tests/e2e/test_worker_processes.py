@@ -44,6 +44,13 @@ APP = textwrap.dedent(
     )
     marks = Path(os.environ["MARKS"])
 
+    from durable_celery import signals
+
+    @signals.worker_draining.connect
+    def note_draining(sender, node, grace, **kw):
+        # Where users' own shutdown clean-up goes: it runs before the steps' grace period.
+        (marks / "draining").write_text(f"{node} {grace} {sender is durable}")
+
     job = durable.workflow("job")
 
     @job.step
@@ -174,6 +181,8 @@ def test_sigterm_hands_a_long_step_back_after_the_grace_period(client, start_wor
     first.send_signal(signal.SIGTERM)
     assert first.wait(30) == 0
     assert time.monotonic() - stopped_at < 15  # the grace period (2 s), not the step, decided
+    node, grace, ours = (Path(proc_env["MARKS"]) / "draining").read_text().split()
+    assert node.startswith("first@") and float(grace) == 2.0 and ours == "True"  # signals.worker_draining
     handed = client.activity(kinds=["handed_back"], run_id=run_id)
     assert len(handed) == 1
     assert [r["body"] for r in handed[0].details["logs"]] == ["working (mode stubborn)"]
@@ -207,6 +216,7 @@ def test_drain_from_code_shuts_the_worker_down_and_hands_the_step_back(client, s
     first = start_worker("first", pool, GRACE="1")
     run_id = client.start("job", {"mode": "drain"})
     assert first.wait(40) == 0  # no signal sent: drain() alone stopped it
+    assert (Path(proc_env["MARKS"]) / "draining").read_text().split()[1:] == ["1.0", "True"]
     assert len(client.activity(kinds=["handed_back"], run_id=run_id)) == 1
     second = start_worker("second")
     assert wait_for(client, run_id, timeout=40).output == second.pid

@@ -167,17 +167,17 @@ def test_a_compensation_runs_on_past_a_shutdowns_grace_period(durable):
     assert durable.get_run(run_id).status == "compensated"
 
 
-def test_drain_outside_a_worker_signals_no_process(durable, monkeypatch):
-    """An engine not (yet) in a worker knows no worker process: ``drain()`` shuts down the
-    worker loop of this process (none here) and signals nobody."""
+def test_drain_outside_a_worker_is_refused_and_changes_nothing(durable, monkeypatch):
+    """A process that runs no worker (a script, a web process) has nothing to drain: ``drain()``
+    says what to do instead, shuts down nothing and signals nobody."""
     from celery.worker import state
+
+    from durable_celery.errors import InvalidArgument
 
     signalled: list[tuple[int, int]] = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append((pid, sig)))
     monkeypatch.setattr(state, "should_stop", None)
-    try:
+    with pytest.raises(InvalidArgument, match=r"control shutdown --destination"):
         durable.drain()
-        assert durable.engine.shutting_down() and state.should_stop == 0
-    finally:
-        durable.engine.undrain()
+    assert not durable.engine.shutting_down() and state.should_stop is None
     assert signalled == []

@@ -343,3 +343,20 @@ def test_pool_waits_are_a_histogram_and_a_starved_pool_shows_in_it(make_durable)
         thread.join()
     assert 0.2 < waited < 5.0
     assert "durable_db_pool_wait_seconds_bucket" in metrics.exposition().decode()
+
+
+@postgres_only
+def test_draining_nodes_are_a_gauge(make_durable):
+    """A node in a graceful shutdown counts in durable_nodes_draining while it is seen."""
+    from durable_celery.store import node_rows
+
+    durable = make_durable()
+    metrics = durable.metrics
+    with durable.db.begin() as conn:
+        for name in ("a@host", "b@host"):
+            node_rows.register_node_txn(durable.db, conn, name, ["celery"], 1, {})
+    assert metrics.value("durable_nodes_draining") == 0
+    with durable.db.begin() as conn:
+        assert node_rows.mark_draining(conn, "a@host")
+    metrics.collector.invalidate()
+    assert metrics.value("durable_nodes_draining") == 1
