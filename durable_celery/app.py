@@ -256,18 +256,20 @@ class Durable:
 
     # -- control ----------------------------------------------------------------------------
 
-    def cancel(self, run_id: str) -> bool:
-        """Cancel an unfinished run; False if it had already finished. RunNotFound if none."""
-        return control.cancel(self.runtime, run_id)
+    def cancel(self, run_id: str, *, by: str | None = None, origin: str | None = None) -> bool:
+        """Cancel an unfinished run; False if it had already finished. RunNotFound if none.
+        Who (``by``) and from where (``origin``) go on its ``cancelled`` activity entry."""
+        return control.cancel(self.runtime, run_id, by, origin)
 
-    def retry(self, run_id: str) -> str:
+    def retry(self, run_id: str, *, by: str | None = None, origin: str | None = None) -> str:
         """Resume a failed run from its failed step; KeyTaken if a newer run keeps its key,
-        InvalidStart if its input no longer fits the workflow's steps."""
+        InvalidStart if its input no longer fits the workflow's steps. Who (``by``) and from
+        where (``origin``) go on its ``retried`` activity entry."""
         run = self.get_run(run_id)
         workflow = self.workflows.get(run.workflow)
         if workflow is not None:
             workflow.check_fits(run.input)  # the steps changed since it started: retrying cannot help
-        return control.retry(self.runtime, run_id)
+        return control.retry(self.runtime, run_id, by, origin)
 
     def rerun(self, run_id: str) -> str:
         """Start a fresh copy of a finished run with its input and key; KeyTaken if held."""

@@ -45,9 +45,9 @@ def after_commit(rt: Runtime, decision: Decision) -> None:
         raise decision.error
 
 
-def cancel(rt: Runtime, run_id: str) -> bool:
+def cancel(rt: Runtime, run_id: str, by: str | None = None, origin: str | None = None) -> bool:
     """Cancel an unfinished run and its unfinished children; False if it had finished (or is
-    compensating)."""
+    compensating). A ``cancelled`` activity entry says who (``by``) and from where (``origin``)."""
     db = rt.db
     with db.begin() as conn:
         run = _run(conn, run_id)
@@ -65,12 +65,15 @@ def cancel(rt: Runtime, run_id: str) -> bool:
         )
         if not done:
             return False
+        activity_rows.record_txn(
+            db, conn, "cancelled", run_id, run.workflow, run.key, {"by": by, "from": origin}
+        )
         children = child_rows.unfinished_children(conn, run_id)
     signals.run_finished.send(sender=rt.sender, run_id=run_id, workflow=run.workflow, status="cancelled")
     if settled is not None:
         after_commit(rt, settled)
     for child_id in children:  # each in a transaction of its own: key rows before run rows
-        cancel(rt, child_id)
+        cancel(rt, child_id, f"cancel of parent {run_id}", origin)
     return True
 
 
@@ -78,11 +81,12 @@ def cancel_children(rt: Runtime, run_id: str) -> int:
     """Cancel the unfinished children of a run that was cancelled; returns how many."""
     with rt.db.engine.connect() as conn:
         children = child_rows.unfinished_children(conn, run_id)
-    return sum(cancel(rt, child_id) for child_id in children)
+    return sum(cancel(rt, child_id, f"cancel of parent {run_id}") for child_id in children)
 
 
-def retry(rt: Runtime, run_id: str) -> str:
-    """Resume a failed run from its failed step, taking its key back if it lost it."""
+def retry(rt: Runtime, run_id: str, by: str | None = None, origin: str | None = None) -> str:
+    """Resume a failed run from its failed step, taking its key back if it lost it; a
+    ``retried`` activity entry says who (``by``) and from where (``origin``)."""
     db = rt.db
     with db.begin() as conn:
         run = _run(conn, run_id)
@@ -112,7 +116,9 @@ def retry(rt: Runtime, run_id: str) -> str:
         if resumed.rowcount != 1:  # pruned or retried meanwhile: roll back the key taken above
             _run(conn, run_id)  # RunNotFound when it was pruned
             raise NotFinished(f"run {run_id} was retried meanwhile")
-    rt.outbox.send(workflow, run.step_index, run_id, run.attempt + 1, run.key)
+        details = {"by": by, "from": origin, "step": run.step_name, "attempt": run.attempt + 1}
+        activity_rows.record_txn(db, conn, "retried", run_id, run.workflow, run.key, details)
+    rt.outbox.send_named(run.workflow, run_id, run.step_index, run.attempt + 1, run.key, soon=True)
     if retaken:
         signals.key_handoff.send(
             sender=rt.sender, run_id=run_id, workflow=run.workflow, key=run.key, previous_id=previous

@@ -24,24 +24,32 @@ class BadRequest(DurableError, ValueError):
     """A form or body the action cannot use."""
 
 
-def perform(durable: Durable, params: dict[str, Any], action: str, form: dict[str, Any], by: str) -> Any:
-    """Do ``action`` on the run or queue in ``params``; (page to show next, note)."""
+def perform(
+    durable: Durable, params: dict[str, Any], action: str, form: dict[str, Any], by: str, origin: str
+) -> Any:
+    """Do ``action`` on the run or queue in ``params``; (page to show next, note). ``by`` (who:
+    ``dashboard`` or ``api``) and ``origin`` (the client's address) go on the run's activity."""
     if "run_id" in params:
-        return run_action(durable, params["run_id"], action, form, by)
+        return run_action(durable, params["run_id"], action, form, by, origin)
     if "name" in params:
         return queue_action(durable, params["name"], action)
     return "/settings", prune_now(durable)
 
 
-def run_action(durable: Durable, run_id: str, action: str, form: dict[str, Any], by: str) -> tuple[str, str]:
+def run_action(
+    durable: Durable, run_id: str, action: str, form: dict[str, Any], by: str, origin: str
+) -> tuple[str, str]:
     """cancel, retry, rerun, release-key, event or input on one run."""
     page = f"/runs/{quote(run_id)}"
     durable.get_run(run_id)  # RunNotFound before anything else
     handlers: dict[str, Callable[[], tuple[str, str]]] = {
-        "cancel": lambda: (page, "cancelled" if durable.cancel(run_id) else "already finished"),
-        "retry": lambda: (page, f"retrying {durable.retry(run_id)}"),
+        "cancel": lambda: (
+            page,
+            "cancelled" if durable.cancel(run_id, by=by, origin=origin) else "already finished",
+        ),
+        "retry": lambda: (page, f"retrying {durable.retry(run_id, by=by, origin=origin)}"),
         "rerun": lambda: _rerun(durable, run_id),
-        "release-key": lambda: _release(durable, run_id, by, page),
+        "release-key": lambda: _release(durable, run_id, f"{by} from {origin}", page),
         "event": lambda: _event(durable, run_id, form, page),
         "input": lambda: _input(durable, run_id, form, page),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import asdict, fields, is_dataclass
 from datetime import datetime, timedelta
@@ -14,7 +15,7 @@ from ..observe.activity import KeyEntry, key_blocks
 from ..store import activity_rows, observe_rows
 from ..store.db import masked_url
 from ..store.schema import UNFINISHED
-from . import queries
+from . import queries, why
 
 if TYPE_CHECKING:
     from ..app import Durable
@@ -147,7 +148,7 @@ def runs_page(durable: Durable, params: dict[str, Any]) -> dict[str, Any]:
             offset=(page - 1) * limit,
         )
     return {
-        "runs": [Run.from_row(r) for r in rows[:limit]],
+        "runs": [_run_row(durable, r) for r in rows[:limit]],
         "more": len(rows) > limit,
         "page": page,
         "limit": limit,
@@ -156,10 +157,26 @@ def runs_page(durable: Durable, params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def holds_word(durable: Durable, run: Run) -> str:
+    """Whether a run holds its key, in the CLI's words: ``yes`` (a new start with the key is
+    answered by it), ``free`` (a finished holder whose key the next start takes), ``-``."""
+    if not run.holds_key:
+        return "-"
+    return "yes" if key_blocks(durable.workflows, run.workflow, run.status) else "free"
+
+
+def _run_row(durable: Durable, row: Any) -> dict[str, Any]:
+    """A run of a list, with its step's name and the ``holds`` word."""
+    run = Run.from_row(row)
+    return dict(asdict(run), step_name=row.step_name, holds=holds_word(durable, run))
+
+
 def run_detail(durable: Durable, run_id: str) -> dict[str, Any]:
-    """A run with its steps, events, pending input, family, activity and key view."""
+    """A run with its steps, events, pending input, family, activity, key view and what keeps
+    it from moving."""
     run = durable.get_run(run_id)
     steps = durable.list_steps(run_id)
+    state = why.run_state(durable, run, steps)
     with durable.db.engine.connect() as conn:
         events = [dict(r._mapping) for r in queries.events_of_run(conn, run_id)]
         brief = queries.run_brief(conn, [run.parent_id or "", run.runs_after_id or ""])
@@ -174,6 +191,7 @@ def run_detail(durable: Durable, run_id: str) -> dict[str, Any]:
         "runs_after": brief.get(run.runs_after_id or ""),
         "activity": durable.activity(run_id=run_id, limit=100),
         "key": key,
+        "state": state,
     }
 
 
@@ -209,6 +227,7 @@ def key_view(durable: Durable, conn: Any, run: Run) -> dict[str, Any] | None:
     return {
         "key": run.key,
         "holds": row is not None and row.holder_id == run.id,
+        "holds_word": holds_word(durable, run),
         "holder_id": row.holder_id if row is not None else None,
         "holder_status": row.status if row is not None else None,
         "blocks": row is not None and key_blocks(durable.workflows, run.workflow, row.status),
@@ -305,15 +324,41 @@ def workflow_data(durable: Durable, name: str) -> dict[str, Any]:
     """A workflow: its definition (when known here), recent runs and its keys."""
     known = durable.workflows.get(name)
     recent = durable.list_runs(workflow=name, limit=20)
-    definition = None
-    if known is not None:
-        definition = {
-            "reuse": known.reuse,
-            "on_duplicate": str(known.on_duplicate),
-            "key": known.key if isinstance(known.key, str) else None,
-            "steps": [s.name for s in known.steps],
-        }
+    definition = None if known is None else describe_workflow(durable, known)
     return {"name": name, "definition": definition, "runs": recent, "keys": keys_data(durable, name, None)}
+
+
+def describe_workflow(durable: Durable, workflow: Any) -> dict[str, Any]:
+    """A workflow's options and, per step, its retry, backoff, queue, timeout and compensation."""
+    settings, default = durable.settings, durable.runtime.default_queue()
+    key, debounce = workflow.key, workflow.debounce
+    if key is not None and not isinstance(key, str):
+        key = f"computed by {getattr(key, '__name__', 'a function')}()"
+    steps = []
+    for step in workflow.steps:
+        base, most = step.backoff or settings.backoff_base, settings.backoff_max
+        backoff = f"{most:g} s (backoff_max)" if base >= most else f"{base:g} s, doubling, at most {most:g} s"
+        steps.append(
+            {
+                "index": step.index,
+                "name": step.name,
+                "retry": step.retry,
+                "backoff": backoff if step.retry > 1 else None,
+                "queue": workflow.queue_for(step, default) or default,
+                "timeout": step.timeout,
+                "compensation": getattr(step.compensate, "__name__", "yes") if step.compensate else None,
+                "compensate_retry": step.compensate_retry,
+            }
+        )
+    return {
+        "reuse": workflow.reuse,
+        "on_duplicate": str(workflow.on_duplicate),
+        "key": key,
+        "idempotency": workflow.idempotency,
+        "timeout": workflow.timeout,
+        "debounce": dict(period=debounce["period"], timeout=debounce.get("timeout")) if debounce else None,
+        "steps": steps,
+    }
 
 
 # -- queues, schedules, settings ----------------------------------------------------------------
@@ -323,15 +368,11 @@ def queues_data(durable: Durable) -> dict[str, Any]:
     """Per queue: counts, paused, its live consumers (flagged when ready runs have none);
     nodes; recoveries and fenced workers of the last day."""
     stats = durable.stats.queues()
-    nodes = durable.list_nodes()
     now = durable.db.utcnow()
-    live_after = now - timedelta(seconds=durable.settings.stale_lock_timeout)
-    for node in nodes:
-        seen = aware(node.get("seen_at"))
-        node["live"] = seen is not None and seen >= live_after and not node.get("draining")
+    nodes = why.live_nodes(durable, now)
     queue_list = []
     for name, entry in stats.items():
-        consumers = [n["name"] for n in nodes if n["live"] and name in (n.get("queues") or [])]
+        consumers = why.consumers(nodes, name)
         no_consumer = entry["ready"] > 0 and not consumers and not entry["paused"]
         queue_list.append(dict(entry, name=name, consumers=consumers, no_consumer=no_consumer))
     with durable.db.engine.connect() as conn:
@@ -342,11 +383,16 @@ def queues_data(durable: Durable) -> dict[str, Any]:
 
 
 def schedules_data(durable: Durable) -> dict[str, Any]:
-    """Every schedule: key, next fire, last outcome, failures in a row, enabled."""
+    """Every schedule: key, next fire, last outcome, failures in a row, enabled; the late ones
+    (overdue by more than their period) and the beat command that fires them."""
+    from ..schedules import beat_command
+
     try:
-        return {"schedules": durable.list_schedules(), "error": None}
+        found = durable.list_schedules()
     except Exception as exc:  # e.g. RedBeat's Redis down: the page says so instead of failing
-        return {"schedules": [], "error": f"{type(exc).__name__}: {exc}"}
+        return {"schedules": [], "late": [], "beat": None, "error": f"{type(exc).__name__}: {exc}"}
+    late = [s.name for s in found if s.late]
+    return {"schedules": found, "late": late, "beat": beat_command(durable.app), "error": None}
 
 
 def settings_data(durable: Durable) -> dict[str, Any]:
@@ -354,6 +400,7 @@ def settings_data(durable: Durable) -> dict[str, Any]:
     shown = {}
     for field in fields(durable.settings):
         shown[field.name] = mask_setting(field.name, getattr(durable.settings, field.name))
+    shown["log_capture"] = log_capture_text(durable.runtime.instrumentation.log_capture)
     return {
         "settings": shown,
         "schema": schema_state(durable),
@@ -375,6 +422,23 @@ def mask_setting(name: str, value: Any) -> Any:
     if isinstance(value, (str, int, float, bool, list, dict)):
         return jsonable(value)
     return type(value).__name__
+
+
+def log_capture_text(capture: Any) -> str:
+    """What step log capture keeps, in words: e.g. ``WARNING and above, every metadata field``."""
+    if not capture.enabled:
+        return "off: no log lines are saved"
+    levels = capture.levels
+    if levels is None:
+        kept = "every level"
+    elif levels and set(levels) == {n for n in (10, 20, 30, 40, 50) if n >= min(levels)}:
+        kept = f"{logging.getLevelName(min(levels))} and above"
+    else:
+        kept = ", ".join(logging.getLevelName(n) for n in sorted(levels)) or "no level"
+    names = capture.metadata_filter
+    metadata = "all metadata" if names is None else f"metadata {', '.join(sorted(names)) or 'none'} only"
+    console = "" if capture.console else "; saved lines kept off the console"
+    return f"{kept}, {metadata}{console}"
 
 
 def unfinished(status: str) -> bool:

@@ -223,3 +223,19 @@ def wait_of_run(conn: Connection, run_id: str) -> Any:
     """A run's status and what it waits for (``wait_name``, ``wait_until``)."""
     query = select(runs.c.status, runs.c.wait_name, runs.c.wait_until).where(runs.c.id == run_id)
     return conn.execute(query).first()
+
+
+def run_state(conn: Connection, run_id: str) -> Any:
+    """What a run's page needs beyond ``Run``: the step's name, its queue, its lock and
+    heartbeat, when it is due (and at the latest, for a debounce) and its attempt base."""
+    query = select(
+        runs.c.step_name,
+        runs.c.queue,
+        runs.c.locked_by,
+        runs.c.heartbeat_at,
+        runs.c.due_at,
+        runs.c.not_after,
+        runs.c.attempt,
+        runs.c.attempt_base,
+    ).where(runs.c.id == run_id)
+    return conn.execute(query).first()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -62,9 +64,41 @@ def short_json(value: Any, most: int = 80) -> str:
     return text if len(text) <= most else text[: most - 1] + "…"
 
 
-def when(value: Any) -> str:
-    """A time as ``YYYY-MM-DD HH:MM:SS`` (UTC), or ``-``."""
-    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+def age(value: datetime, now: datetime | None = None) -> str:
+    """How long ago (or how far ahead) a time is: ``3 min ago``, ``in 20 s``, ``now``."""
+    seconds = ((now or datetime.now(timezone.utc)) - value).total_seconds()
+    size = abs(seconds)
+    if size < 1:
+        return "now"
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if size >= length:
+            amount = f"{int(size // length)} {unit}"
+            break
+    else:
+        amount = f"{int(size)} s"
+    return f"{amount} ago" if seconds > 0 else f"in {amount}"
+
+
+def when(value: Any) -> Markup:
+    """A time as ``YYYY-MM-DD HH:MM:SS UTC`` with its age (``3 min ago``, ``in 20 s``), or ``-``."""
+    if value is None:
+        return Markup("-")
+    value = value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+    value = value.astimezone(timezone.utc)
+    return Markup('<time datetime="{}">{} UTC</time> <span class="age">{}</span>').format(
+        value.isoformat(), value.strftime("%Y-%m-%d %H:%M:%S"), age(value)
+    )
+
+
+def seconds(value: Any) -> str:
+    """A number of seconds for people: ``90 s``, ``10 min``, ``2 h``; ``-`` for none."""
+    if value is None:
+        return "-"
+    value = float(value)
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if value >= length and value % length == 0:
+            return f"{int(value // length)} {unit}"
+    return f"{value:g} s"
 
 
 def make_environment() -> Environment:
@@ -73,7 +107,9 @@ def make_environment() -> Environment:
         loader=PackageLoader("durable_celery.web", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
     )
-    env.filters.update(pretty=pretty, short_json=short_json, when=when, q=lambda v: quote(str(v), safe=""))
+    env.filters.update(
+        pretty=pretty, short_json=short_json, when=when, seconds=seconds, q=lambda v: quote(str(v), safe="")
+    )
     env.globals.update(statuses=data.queries.STATUSES, urlencode=urlencode, unfinished=data.unfinished)
     return env
 
@@ -154,6 +190,13 @@ class Dashboard:
         """One run with its steps, events, family, activity and key view."""
         return data.run_detail(self.durable, request.path_params["run_id"])
 
+    def confirm_cancel(self, request: Request) -> dict[str, Any]:
+        """The page that asks before a cancel: the run, its step and children left to cancel."""
+        run_id = request.path_params["run_id"]
+        run = self.durable.get_run(run_id)
+        children = [c for c in self.durable.list_children(run_id, limit=200) if data.unfinished(c.status)]
+        return {"run": run, "children": children}
+
     def keys(self, request: Request) -> dict[str, Any]:
         """Key rows by workflow and prefix, and the keys re-added most."""
         params = request.query_params
@@ -196,6 +239,7 @@ class Dashboard:
             "children": detail["children"],
             "activity": detail["activity"],
             "key": detail["key"],
+            "state": detail["state"],
         }
 
     def api_keys(self, request: Request) -> Any:
@@ -252,7 +296,13 @@ class Dashboard:
         try:
             auth.check_form(self.token, request.headers, request.cookies, form)
             target, note = await run_in_threadpool(
-                actions.perform, self.durable, request.path_params, action_of(request), dict(form), "web"
+                actions.perform,
+                self.durable,
+                request.path_params,
+                action_of(request),
+                dict(form),
+                "dashboard",
+                client_address(request),
             )
         except DurableError as exc:
             return self.error_page(request, exc)
@@ -264,7 +314,13 @@ class Dashboard:
             auth.check_bearer(self.token, request.headers)
             body = await json_body(request)
             target, note = await run_in_threadpool(
-                actions.perform, self.durable, request.path_params, action_of(request), body, "web api"
+                actions.perform,
+                self.durable,
+                request.path_params,
+                action_of(request),
+                body,
+                "api",
+                client_address(request),
             )
         except DurableError as exc:
             return json_error(exc)
@@ -283,6 +339,11 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise actions.BadRequest("the request body must be a JSON object")
     return body
+
+
+def client_address(request: Request) -> str:
+    """Where a request came from: the client's address as the server sees it."""
+    return request.client.host if request.client is not None else "unknown"
 
 
 def action_of(request: Request) -> str:
@@ -314,6 +375,7 @@ def create_app(durable: Durable, token: str | None = None) -> Starlette:
         Route("/", d.page("overview.html", d.overview)),
         Route("/runs", d.page("runs.html", d.runs)),
         Route("/runs/{run_id}", d.page("run.html", d.run)),
+        Route("/runs/{run_id}/cancel", d.page("confirm_cancel.html", d.confirm_cancel), methods=["GET"]),
         Route("/keys", d.page("keys.html", d.keys)),
         Route("/workflows/{name:path}", d.page("workflow.html", d.workflow)),
         Route("/queues", d.page("queues.html", d.queues)),

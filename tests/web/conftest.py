@@ -5,7 +5,8 @@ its traceback and log lines, a finished holder, a key that is an XSS attempt).""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,79 @@ def _define(d: Durable) -> None:
     @quick.step
     def done(n: int) -> int:
         return n * 2
+
+    _define_stuck(d)
+
+
+def _define_stuck(d: Durable) -> None:
+    """The workflows of the runs that do not move, each for its own reason (see stuck_runs)."""
+    payment = d.workflow("payment")
+
+    @payment.step(retry=3, backoff=600)
+    def charge(card: str) -> None:
+        raise RuntimeError(f"card {card} declined")
+
+    autosave = d.workflow("autosave", debounce={"period": 600, "timeout": 3600})
+
+    @autosave.step
+    def save(doc: str) -> str:
+        return doc
+
+    report = d.workflow("report", queue=nobody_queue(d))
+
+    @report.step
+    def render(month: str) -> str:
+        return month
+
+    trip = d.workflow("trip")
+
+    def unbook(city: str) -> None:
+        raise RuntimeError(f"hotel in {city} refuses the refund")
+
+    @trip.step(compensate=unbook, compensate_retry=1)
+    def book(city: str) -> str:
+        return city
+
+    @trip.step
+    def pay(city: str) -> None:
+        raise RuntimeError("payment refused")
+
+
+def nobody_queue(d: Durable) -> str:
+    """A queue of this test's own that no worker consumes."""
+    return f"{d.app.conf.task_default_queue}-nobody"
+
+
+def until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Poll ``check`` until it returns something true; TimeoutError naming ``what`` if not."""
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout}s")
+        time.sleep(0.05)
+    return found
+
+
+@dataclass
+class Stuck:
+    retrying: str  # payment: attempt 1 failed, attempt 2 due in 300 s (backoff_max)
+    debounced: str  # autosave: due in 600 s, at the latest in 3600 s
+    no_consumer: str  # report: ready on a queue no worker consumes
+    compensation_failed: str  # trip: pay failed, the compensation of book failed
+    queue: str  # the queue nobody consumes
+
+
+def stuck_runs(scene: Scene) -> Stuck:
+    """Start a run that waits out a retry backoff, a debounced one, one on a queue no worker
+    consumes and one whose compensation failed; return once each is in that state."""
+    d = scene.durable
+    retrying = d.start("payment", {"card": "4242"})
+    debounced = d.start("autosave", {"doc": "notes"}, key="doc:notes")
+    no_consumer = d.start("report", {"month": "2026-01"})
+    compensation_failed = d.start("trip", {"city": "Oslo"})
+    until("the first attempt's failure", lambda: [s for s in d.list_steps(retrying) if s.status == "failed"])
+    assert wait_for(d, compensation_failed).status == "compensation_failed"
+    return Stuck(retrying, debounced, no_consumer, compensation_failed, nobody_queue(d))
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """The dashboard in a real browser: Debian's headless chromium (through chromedriver) against a
 uvicorn server. It logs in with the token, opens the Keys page, follows a key to its holder's
-run, reads the re-add count and the dropped input's diff, presses Cancel and sees the run
-cancelled. With DURABLE_WEB_SCREENSHOTS=<dir> it also saves the pages shown in the docs."""
+run, reads the re-add count and the dropped input's diff, presses Cancel, confirms, and sees the
+run cancelled; it opens the pages of a run waiting out a retry backoff, a debounced run, a run
+on a queue nobody consumes and a run whose compensation failed, and reads why each is not
+moving. With DURABLE_WEB_SCREENSHOTS=<dir> it also saves the pages shown in the docs."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import pytest
 
 from durable_celery.web import create_app
 
-from .conftest import TOKEN, XSS, Scene
+from .conftest import TOKEN, XSS, Scene, stuck_runs
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -102,7 +104,7 @@ def _shot(driver: Any, name: str) -> None:
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         height = driver.execute_script("return document.body.scrollHeight")
-        driver.set_window_size(1400, min(max(int(height) + 40, 700), 2400))
+        driver.set_window_size(1400, min(max(int(height) + 160, 700), 2400))
         driver.save_screenshot(str(Path(folder) / name))
         driver.set_window_size(1400, 1000)
 
@@ -142,10 +144,59 @@ def test_keys_to_holder_to_cancel_in_chromium(scene: Scene, server: str, browser
     _shot(browser, "dashboard-run.png")
 
     browser.find_element(By.ID, "cancel").click()
+    wait.until(ec.url_to_be(f"{server}/runs/{scene.held}/cancel"))
+    assert scene.durable.get_run(scene.held).status == "waiting"  # asked first
+    _shot(browser, "dashboard-cancel.png")
+    browser.find_element(By.ID, "confirm-cancel").click()
     wait.until(ec.text_to_be_present_in_element((By.ID, "run-status"), "cancelled"))
     assert browser.find_element(By.ID, "note").text == "cancelled"
     assert scene.durable.get_run(scene.held).status == "cancelled"
 
     browser.get(f"{server}/")
     assert "schema up to date" in browser.find_element(By.ID, "schema").text
+
+
+def test_why_runs_are_not_moving_in_chromium(scene: Scene, server: str, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    stuck = stuck_runs(scene)
+    browser.get(f"{server}/login?next=/runs")
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.ID, "login").click()
+    WebDriverWait(browser, 15).until(ec.url_to_be(f"{server}/runs"))
+
+    def page(run_id: str) -> Any:
+        browser.get(f"{server}/runs/{run_id}")
+        return lambda element_id: browser.find_element(By.ID, element_id).text
+
+    text = page(stuck.retrying)
+    assert text("run-status") == "running" and text("run-state") == "retry backoff"
+    assert "RuntimeError: card 4242 declined" in text("why-retry")
+    assert "Attempt 2 of 3 is due" in text("why-retry") and "UTC in " in text("next-attempt")
+    _shot(browser, "dashboard-retrying.png")
+
+    text = page(stuck.debounced)
+    assert text("run-status") == "pending" and text("run-state") == "debounced"
+    assert "UTC in " in text("debounce-due") and "UTC in " in text("debounce-cap")
+    _shot(browser, "dashboard-debounced.png")
+
+    text = page(stuck.no_consumer)
+    assert text("run-state") == "no consumer"
+    assert f"start a worker with -Q {stuck.queue}" in text("why-queue")
+    _shot(browser, "dashboard-no-consumer.png")
+
+    text = page(stuck.compensation_failed)
+    assert text("run-status") == "compensation_failed" and text("run-state") == "not compensated: book"
+    assert text("uncompensated-step") == "book"
+    assert "hotel in Oslo refuses the refund" in text("why-compensation")
+    _shot(browser, "dashboard-compensation-failed.png")
+
+    browser.get(f"{server}/workflows/trip")
+    assert "unbook" in browser.find_element(By.ID, "workflow-steps").text
+    browser.get(f"{server}/runs")
+    _shot(browser, "dashboard-runs.png")
+    browser.get(f"{server}/")
+    assert "no consumer" in browser.find_element(By.TAG_NAME, "main").text
     _shot(browser, "dashboard-overview.png")

@@ -4,6 +4,7 @@ the token, the JSON API, escaping of user values, 404s, and the refusal to bind 
 from __future__ import annotations
 
 import re
+import socket
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -111,7 +112,7 @@ def test_key_view_shows_the_run_waiting_behind_and_hand_offs(scene: Scene) -> No
     waiting = page[page.index("waiting behind (run_again)") :].split("</dd>")[0]
     assert behind in waiting
     page = c.get(f"/runs/{behind}").text
-    assert "waits behind" in page and holder in page and re.search(r'id="holds">no: held by', page)
+    assert "waits behind" in page and holder in page and re.search(r'id="holds">no</span>: held by', page)
     keys = c.get("/api/keys", params={"workflow": "sync"}).json()["keys"]
     assert [(k["holder_id"], k["waiting_id"]) for k in keys] == [(holder, behind)]
 
@@ -353,14 +354,22 @@ def test_web_command_takes_the_token_from_the_environment(
     import uvicorn
 
     served: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(kw, app=app))
+
+    def serve(server: Any, sockets: list[Any]) -> None:
+        (listening,) = sockets
+        host, port = listening.getsockname()[:2]
+        listening.close()
+        served.update(app=server.config.app, host=host, port=port)
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
     obj = SimpleNamespace(app=scene.durable.app)
+    port = _free_port()
     result = CliRunner().invoke(
-        web, ["--host", "0.0.0.0", "--port", "6001"], obj=obj, env={"DURABLE_WEB_TOKEN": "T"}
+        web, ["--host", "0.0.0.0", "--port", str(port)], obj=obj, env={"DURABLE_WEB_TOKEN": "T"}
     )
     assert result.exit_code == 0, result.output
     assert "actions need the token" in result.output
-    assert served["host"] == "0.0.0.0" and served["port"] == 6001
+    assert served["host"] == "0.0.0.0" and served["port"] == port
     assert served["app"].state.dashboard.token == "T"
     result = CliRunner().invoke(web, [], obj=obj, env={"DURABLE_WEB_TOKEN": ""})
     assert result.exit_code == 0 and "read-only" in result.output
@@ -369,6 +378,12 @@ def test_web_command_takes_the_token_from_the_environment(
         and served["port"] == 5557
         and served["app"].state.dashboard.token is None
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_queues_page_lists_stale_take_backs_of_the_day(scene: Scene) -> None:
