@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 RUN_ID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
 SECRET_WORDS = ("password", "secret", "token")
+RUNS_OF_KEY = 50  # runs listed in a run's key view, newest first
 
 
 def jsonable(value: Any) -> Any:
@@ -238,6 +239,18 @@ def key_view(durable: Durable, conn: Any, run: Run) -> dict[str, Any] | None:
         "readd_entries": readds,
         "dropped": [r for r in readds if r["dropped"]],
         "history": [_entry(h) for h in history],
+        "runs": [
+            {
+                "id": r.id,
+                "status": r.status,
+                "created_at": aware(r.created_at),
+                "finished_at": aware(r.finished_at),
+                "holds": row is not None and row.holder_id == r.id,
+                "waited_behind": r.runs_after_id,
+            }
+            for r in queries.runs_of_key(conn, run.workflow, run.key, RUNS_OF_KEY)
+        ],
+        "runs_limit": RUNS_OF_KEY,
     }
 
 

@@ -176,6 +176,17 @@ def key_history(conn: Connection, workflow: str, key: str, limit: int = 50) -> S
     return conn.execute(query).all()
 
 
+def runs_of_key(conn: Connection, workflow: str, key: str, limit: int = 50) -> Sequence[Any]:
+    """The runs that carried one key (each held it, or waited behind its holder), newest first."""
+    query = (
+        select(runs.c.id, runs.c.status, runs.c.created_at, runs.c.finished_at, runs.c.runs_after_id)
+        .where(runs.c.workflow == workflow, runs.c.key == key)
+        .order_by(runs.c.created_at.desc(), runs.c.id.desc())
+        .limit(limit)
+    )
+    return conn.execute(query).all()
+
+
 def events_of_run(conn: Connection, run_id: str, limit: int = 200) -> Sequence[Any]:
     """Events sent to a run, oldest first."""
     query = select(events).where(events.c.run_id == run_id).order_by(events.c.id).limit(limit)

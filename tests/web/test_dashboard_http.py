@@ -124,6 +124,14 @@ def test_key_view_shows_the_run_waiting_behind_and_hand_offs(scene: Scene) -> No
     history = page[page.index("Hand-offs and releases") :]
     assert "key_handed_off" in history and holder in history
 
+    # The key view lists every run that carried the key, newest first, and which holds it now.
+    listed = page[page.index('id="key-runs"') :].split("</table>")[0]
+    rows = listed.split("<tr")[2:]
+    assert [behind in rows[0], holder in rows[1]] == [True, True] and len(rows) == 2
+    assert "(this run)" in rows[0] and ">yes<" in rows[0] and "completed" in rows[1] and ">-<" in rows[1]
+    api = c.get(f"/api/runs/{holder}").json()["key"]["runs"]
+    assert [(r["id"], r["holds"]) for r in api] == [(behind, True), (holder, False)]
+
 
 def test_keys_page_and_workflow_keys(scene: Scene) -> None:
     c = client(scene)
