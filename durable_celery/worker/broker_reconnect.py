@@ -12,18 +12,26 @@ unrecoverable error and the worker exits: under load, every worker of the fleet 
 unacknowledged messages go back to the broker if it answers, as Celery's own teardown would put
 them), so the teardown Celery runs next finds it closed. :func:`install` makes it the consumer
 class of an app's workers.
+
+Once it has connected again after a lost connection, the consumer has the worker's relay make a
+pass at once (relay.py ``resend_lost``, from a thread of its own): the messages a restarted
+broker lost, and those a producer stopped before it could flag, go out within seconds instead of
+``relay_after``.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 from typing import Any
 
 from celery import Celery
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.transport import virtual
 from kombu.utils.imports import symbol_by_name
+
+from .relay import BrokerDown, resend_lost
 
 logger = logging.getLogger("durable_celery")
 
@@ -39,6 +47,37 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     def on_connection_error_after_connected(self, exc: Exception) -> None:
         close_task_channel(self)
         super().on_connection_error_after_connected(exc)
+
+    def connect(self) -> Any:
+        """Celery's connect; after a reconnect, the relay re-sends what the broker lost."""
+        reconnect = not self.first_connection_attempt
+        connection = super().connect()
+        if reconnect:
+            relay_after_reconnect(self.app)
+        return connection
+
+
+def relay_after_reconnect(app: Celery) -> threading.Thread | None:
+    """Start a relay pass that re-sends at once the runs whose message the broker cannot hold
+    (``resend_lost``), in a thread; None when this app's workers run no upkeep."""
+    rt = getattr(app, "_durable_runtime", None)
+    if rt is None or not rt.settings.upkeep:
+        return None
+
+    def relay() -> None:
+        try:
+            sent = resend_lost(rt, app)
+        except BrokerDown as exc:  # gone again: the relay thread's passes go on as before
+            logger.warning("durable: relay after reconnecting: %s", exc)
+        except Exception:
+            logger.exception("durable: relay after reconnecting failed; the relay thread goes on")
+        else:
+            if sent:
+                logger.warning("durable: the broker is back; the relay sent %d message(s) at once", sent)
+
+    thread = threading.Thread(target=relay, name="durable-relay-reconnect", daemon=True)
+    thread.start()
+    return thread
 
 
 def close_task_channel(consumer: Any) -> bool:

@@ -6,16 +6,28 @@ pass in one kombu publish batch (one producer it holds, one Redis pipeline; whil
 coming it waits up to ``publish_linger`` for more), so a caller pays for an append to a list instead of
 building and sending a Celery message.
 
+The caller never waits for the broker: ``send_soon`` appends and, for the first message,
+starts the thread; the connection is made from that thread, so a start returns in microseconds
+whether the broker is up, refusing connections or not answering at all.
+
 Nothing gets weaker, because the run row is the outbox:
 
-- a message that cannot be sent (after ``publish_retries``) flags its run ``published=false``
-  and the relay sends it at its next pass, as before;
-- the process flushes what it holds when it exits (``atexit``; a multiprocessing child from its
-  finalizers; a Celery pool process on ``worker_process_shutdown``; a worker after every task on
-  ``task_postrun``), and a forked child starts with an empty queue of its own (the parent sends
-  what it queued);
+- a batch the broker refuses is tried again ``publish_retries`` times on a new connection (each
+  connection one attempt, no kombu retry loop); then its runs are flagged ``published=false``
+  and the relay sends them at its next pass. While the broker stays away, each later batch gets
+  one attempt before it is flagged;
+- a worker flushes after every task (``task_postrun``), so what a step started is sent before
+  its task is acknowledged, and a forked child starts with an empty queue of its own (the parent
+  sends what it queued);
+- **at exit** (``atexit``; a multiprocessing child from its finalizers; a Celery pool process on
+  ``worker_process_shutdown``) the runs of every message still held are flagged
+  ``published=false`` first, in one statement, and the broker then gets up to ``EXIT_SECONDS``
+  to take them. Flagged first, a process stopped during that wait (SIGTERM, a ``timeout``
+  wrapper, a container stop) leaves no run marked sent whose message never left; a message that
+  did leave is sent once more by the relay, and the copy is dropped at the claim;
 - a message lost with a process that died without exiting (``kill -9``) is sent by the relay
-  ``relay_after`` after the run became due, exactly like one lost between commit and publish.
+  ``relay_after`` after the run became due, exactly like one lost between commit and publish
+  (at once when a worker reconnects to a broker that lost it: relay.py).
 
 Messages are Celery's own: built by ``amqp.create_task_message`` and sent by
 ``amqp.send_task_message`` (the publish signals, ``argsrepr``/``kwargsrepr`` for Flower), with
@@ -53,7 +65,13 @@ BATCH = 500  # messages per kombu batch (one pipeline round trip on Redis)
 # message on a VM: one start in a steady stream cost the publisher about 1 ms of CPU lingering
 # 2 ms (batches of 1.5) and 0.3 ms lingering 20 ms (batches of 14). Setting ``publish_linger``.
 LINGER = 0.02
-EXIT_FLUSH_SECONDS = 30.0
+EXIT_FLUSH_SECONDS = 30.0  # the longest a worker's flush after a task waits (task_postrun)
+# At exit, after the held runs are flagged for the relay, how long the broker gets to take them.
+EXIT_SECONDS = 1.0
+PAUSES = (0.2, 0.7, 1.0)  # between the tries of a batch the broker refused (then 1 s each)
+# The socket timeouts of our Redis connections (unless ``broker_transport_options`` sets its
+# own): a broker that takes connections and never answers holds a try about twice this long.
+SOCKET_TIMEOUT = 5.0
 # The thread ends after this long with nothing to send (the next ``send_soon`` starts another),
 # so an idle process, or a discarded ``Durable``, keeps no thread (nor the app it refers to).
 IDLE_EXIT = 5.0
@@ -124,6 +142,7 @@ class Publisher:
         self.app = app
         self._flag_unsent = flag_unsent
         self.linger = linger
+        self.retries = retries
         self._policy = {
             "max_retries": retries,
             "interval_start": 0.2,
@@ -142,6 +161,9 @@ class Publisher:
         self._cond = threading.Condition()
         self._queue: deque[Message] = deque()
         self._sending = 0  # messages taken off the queue and not yet sent or flagged
+        self._in_flight: list[list[Message]] = []  # those messages, batch by batch
+        self._leaving = False  # the process exits: one try per batch, no pauses
+        self._options: dict[str, Any] | None = None  # transport options of our connections
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._idle = False  # the thread waits for a first message: wake it for one
@@ -211,7 +233,7 @@ class Publisher:
             try:
                 self._send_batch(batch)
             finally:
-                self._done(len(batch))
+                self._done(batch)
 
     def pending(self) -> int:
         """Messages queued or being sent."""
@@ -224,13 +246,36 @@ class Publisher:
             self._stopping = True
             self._cond.notify_all()
 
+    def leave(self) -> bool:
+        """At exit: flag the runs of every message still held for the relay (one statement)
+        and let the thread send them with one try each; False when nothing was held."""
+        if self._pid != os.getpid():  # a fork the hook did not see: the parent sends its own
+            self._reset()
+            return False
+        with self._cond:
+            held = [m.run_id for m in self._queue] + [m.run_id for b in self._in_flight for m in b]
+            self._leaving = self._hurry = True
+            self._cond.notify_all()
+            if self._queue and (self._thread is None or not self._thread.is_alive()):
+                with contextlib.suppress(RuntimeError):  # no new thread at this stage of the exit
+                    self._start_thread()
+        self._flag(held)
+        return bool(held)
+
+    def _wait_sent(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for every message held to be sent or flagged."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._sending, max(timeout, 0.0))
+
     # -- the background thread -----------------------------------------------------------------
 
     def _start_thread(self) -> None:
-        # Make the producer here, in the caller's thread: importing the transport from the new
-        # thread could leave a child forked meanwhile with a half-imported module.
-        with self._send_lock, contextlib.suppress(Exception):  # the thread tries again and reports
-            self._held_producer()
+        # Import the transport here, in the caller's thread (importing it from the new thread
+        # could leave a child forked meanwhile with a half-imported module); connect there.
+        if self._options is None:
+            with contextlib.suppress(Exception):  # a bad URL: the thread's send reports it
+                self._connection_options()
+                self.app.amqp.Producer  # noqa: B018 - Celery's AMQP, made (not connected) here
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="durable-publisher", daemon=True)
         self._thread.start()
@@ -239,11 +284,14 @@ class Publisher:
         """Take up to BATCH messages off the queue (the condition's lock is held)."""
         batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
         self._sending += len(batch)
+        self._in_flight.append(batch)
         return batch
 
-    def _done(self, sent: int) -> None:
+    def _done(self, batch: list[Message]) -> None:
         with self._cond:
-            self._sending -= sent
+            self._sending -= len(batch)
+            with contextlib.suppress(ValueError):  # a fork reset the list meanwhile
+                self._in_flight.remove(batch)
             self._cond.notify_all()
 
     def _loop(self) -> None:
@@ -269,7 +317,7 @@ class Publisher:
                 log.exception("durable: publishing %d message(s) failed; the relay sends them", len(batch))
             finally:
                 self._last_sent = time.monotonic()
-                self._done(len(batch))
+                self._done(batch)
 
     def _linger(self, cond: threading.Condition) -> None:
         """While messages keep coming (one arrived within ``linger`` of the last send), wait
@@ -287,30 +335,44 @@ class Publisher:
 
     def _send_batch(self, batch: list[Message]) -> None:
         """Send on the held producer (a kombu batch, one Redis pipeline, when there are several);
-        if the broker refuses, one message at a time with the retry policy, flagging the rest
-        for the relay after the first refusal."""
+        if the broker refuses, try again on a new connection ``publish_retries`` times (once
+        while it is known to be away, or the process exits), then flag the runs for the relay."""
         with self._send_lock:
-            try:
-                producer = self._held_producer()
-                if len(batch) == 1:
-                    self._emit(batch[0], producer, self._declared)
-                else:
-                    with producer.batch(max_size=BATCH):
-                        for message in batch:
-                            self._emit(message, producer, self._declared)
+            tries = 1 if (self._failing or self._leaving) else 1 + self.retries
+            for attempt in range(tries):
+                if attempt and self._pause(PAUSES[min(attempt, len(PAUSES)) - 1]):
+                    break  # the process exits: no more waiting on the broker
+                try:
+                    self._emit_batch(batch)
+                except Exception as exc:
+                    self._drop_producer()
+                    error = exc
+                    continue
                 if self._failing:
                     self._failing = False
                     log.warning("durable: publishing works again")
                 return
-            except Exception as exc:
-                self._drop_producer()
-                if not self._failing:
-                    self._failing = True
-                    log.warning("durable: %d message(s) were refused (%s); retrying", len(batch), exc)
-        for index, message in enumerate(batch):
-            if not self.send_now(message):
-                self._flag([m.run_id for m in batch[index + 1 :]])
-                return
+            if not self._failing:
+                self._failing = True
+                log.warning(
+                    "durable: the broker refused %d message(s) (%s); the relay sends them", len(batch), error
+                )
+        self._flag([m.run_id for m in batch])
+
+    def _emit_batch(self, batch: list[Message]) -> None:
+        """Send a batch on the held producer, made now if there is none."""
+        producer = self._held_producer()
+        if len(batch) == 1:
+            self._emit(batch[0], producer, self._declared)
+            return
+        with producer.batch(max_size=BATCH):
+            for message in batch:
+                self._emit(message, producer, self._declared)
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait between two tries; True (at once) when the process is leaving."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._leaving, seconds)
 
     def _held_producer(self) -> Any:
         if self._producer is None:
@@ -319,13 +381,30 @@ class Publisher:
         return self._producer
 
     def _new_producer(self) -> Any:
-        """A producer on a connection of its own, its Redis client reused (``_hold_redis_client``)."""
-        connection = self.app.connection_for_write()
+        """A producer on a connection of its own, made with one attempt (kombu's own loop would
+        retry for ``broker_connection_timeout``), its Redis client reused (``_hold_redis_client``)."""
+        connection = self.app.connection_for_write(transport_options=self._connection_options())
+        try:
+            connection.ensure_connection(max_retries=0)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                connection.release()
+            raise
         producer = self.app.amqp.Producer(connection, auto_declare=False)
         self._redis = connection.transport.driver_type == "redis"
         if self._redis:
             _hold_redis_client(producer.channel)
         return producer
+
+    def _connection_options(self) -> dict[str, Any]:
+        """Socket timeouts for our Redis connections, where the app sets none (importing the
+        transport's module on first use)."""
+        if self._options is None:
+            own = self.app.conf.broker_transport_options or {}
+            redis = self.app.connection_for_write().get_transport_cls().driver_type == "redis"
+            names = ("socket_timeout", "socket_connect_timeout") if redis else ()
+            self._options = {name: SOCKET_TIMEOUT for name in names if name not in own}
+        return self._options
 
     def _thread_producer(self) -> Held:
         """This thread's producer for sends made now (made on first use, and anew in a fork)."""
@@ -431,6 +510,14 @@ def flush_all(timeout: float | None = EXIT_FLUSH_SECONDS) -> bool:
     return all([publisher.flush(timeout) for publisher in list(_live)])
 
 
+def leave_all(seconds: float = EXIT_SECONDS) -> bool:
+    """At exit: flag what every publisher holds, then give the broker ``seconds`` in all to
+    take it (``Publisher.leave``); False if something was left unsent."""
+    publishers = [publisher for publisher in list(_live) if publisher.leave()]
+    deadline = time.monotonic() + seconds
+    return all([publisher._wait_sent(deadline - time.monotonic()) for publisher in publishers])
+
+
 def _after_fork_in_child() -> None:
     for publisher in list(_live):
         publisher._reset()
@@ -447,16 +534,16 @@ class _ForkMarker:
 
 def _flush_on_multiprocessing_exit(_marker: _ForkMarker) -> None:
     # A multiprocessing child leaves through os._exit after running its finalizers, not atexit.
-    multiprocessing.util.Finalize(None, flush_all, exitpriority=0)
+    multiprocessing.util.Finalize(None, leave_all, exitpriority=0)
 
 
 _marker = _ForkMarker()
 os.register_at_fork(after_in_child=_after_fork_in_child)
 multiprocessing.util.register_after_fork(_marker, _flush_on_multiprocessing_exit)
-atexit.register(flush_all)
-# Celery's pool processes leave with os._exit (no atexit): flush when one shuts down, and after
-# every task, so that what a step started is sent before its task is acknowledged.
-signals.worker_process_shutdown.connect(lambda **_: flush_all(), weak=False)
+atexit.register(leave_all)
+# Celery's pool processes leave with os._exit (no atexit): leave when one shuts down; flush
+# after every task, so that what a step started is sent before its task is acknowledged.
+signals.worker_process_shutdown.connect(lambda **_: leave_all(), weak=False)
 signals.task_postrun.connect(_flush_after_task, weak=False)
 
 

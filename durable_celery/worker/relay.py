@@ -14,6 +14,13 @@ that seems lost. A re-send is a guess, so it is made sparingly:
 A pass stops at the first message the broker refuses (it is down): the rest stay flagged
 unsent for the next pass, which the upkeep thread makes later and later while the broker is
 away, so an outage never ties up a pass, nor fills the queue on its return.
+
+When a worker's consumer reconnects to the broker (broker_reconnect.py), :func:`resend_lost`
+makes a pass at once that does not wait ``relay_after``: a broker that restarted without
+persistence lost its queues, and a producer stopped before it flagged its runs left them
+marked sent. Each queue gets as many re-sends as its sent, unclaimed runs outnumber the
+messages the broker holds in it (the same budget), oldest first; the runs over budget are left
+as they were.
 """
 
 from __future__ import annotations
@@ -39,26 +46,34 @@ class BrokerDown(Exception):
     """The broker refused a message: the relay pass stopped there."""
 
 
-def relay_once(rt: Runtime, app: Any) -> int:
+def resend_lost(rt: Runtime, app: Any) -> int:
+    """After a reconnect: a relay pass whose re-sends do not wait ``relay_after`` (each queue's
+    budget still applies); returns how many were sent."""
+    return relay_once(rt, app, lost=True)
+
+
+def relay_once(rt: Runtime, app: Any, lost: bool = False) -> int:
     """Send every due run's message (new, woken or lost); returns how many were sent.
 
-    Raises BrokerDown when the broker refused one (what was left stays flagged for later).
+    ``lost``: a sent, unclaimed run is due for a re-send now, not ``relay_after`` after it
+    became due. Raises BrokerDown when the broker refused one (what was left stays flagged).
     """
     known = list(rt.registry.workflows)
     if not known:
         return 0
     where = (runs.c.workflow.in_(known), ~queue_rows.paused_exists())  # a paused queue's runs wait
     s, db = rt.settings, rt.db
+    after = 0.0 if lost else s.relay_after  # how long a sent run stays unclaimed before a re-send
     with db.engine.connect() as conn:
-        candidates = queries.relay_candidates(db, conn, s.relay_after, *where)
+        candidates = queries.relay_candidates(db, conn, after, *where)
         # No live node known (a relay run from the command line, say): no queue is ruled out.
         consumed = node_rows.live_queues(db, conn, s.stale_lock_timeout) if candidates else set()
     budget = resend_budget(app, candidates, consumed)
     sent = 0
     while True:
         with db.begin() as conn:
-            rows = queries.take_due_runs_txn(db, conn, s.relay_after, RELAY_BATCH, *where)
-            to_send, marks = _choose(rows, budget, s.relay_after)
+            rows = queries.take_due_runs_txn(db, conn, after, RELAY_BATCH, *where)
+            to_send, marks = _choose(rows, budget, s.relay_after, keep=lost)
             queries.mark_relayed_txn(db, conn, marks)
         for n, row in enumerate(to_send):
             if not _send(rt, row):
@@ -66,7 +81,7 @@ def relay_once(rt: Runtime, app: Any) -> int:
                     queries.mark_unsent(conn, [r.id for r in to_send[n:]])
                 raise BrokerDown(f"the broker refused run {row.id}'s message; {len(to_send) - n} left")
             sent += 1
-        if len(rows) < RELAY_BATCH:
+        if len(rows) < RELAY_BATCH or (lost and not to_send):  # rows kept as they were come back
             return sent
 
 
@@ -90,16 +105,18 @@ def resend_budget(app: Any, candidates: Sequence[Any], consumed: set[str]) -> di
 
 
 def _choose(
-    rows: Sequence[Any], budget: dict[str | None, int], relay_after: float
+    rows: Sequence[Any], budget: dict[str | None, int], relay_after: float, keep: bool = False
 ) -> tuple[list[Any], list[dict[str, Any]]]:
-    """The rows to send, and how each row taken is marked (sent, or looked at again later)."""
+    """The rows to send, and how each row taken is marked (sent, or looked at again later;
+    ``keep``: a row not sent is left as it was)."""
     to_send: list[Any] = []
     marks: list[dict[str, Any]] = []
     for row in rows:
         resends = 0
         if row.resend:  # sent before and still unclaimed
             if budget.get(row.queue, 0) <= 0:  # it may still be on its way: look again later
-                marks.append(_mark(row.id, row.resends, relay_after))
+                if not keep:
+                    marks.append(_mark(row.id, row.resends, relay_after))
                 continue
             budget[row.queue] -= 1
             resends = row.resends + 1

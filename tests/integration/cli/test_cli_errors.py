@@ -163,8 +163,8 @@ def test_a_database_durable_does_not_keep_runs_in(cli, command):
     done = cli(f"mysql://root:{PASSWORD}@127.0.0.1/shop", *command)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
-        "durable: durable keeps its runs in PostgreSQL or SQLite, not mysql (mysql://root:***@127.0.0.1/shop); "
-        "use postgresql://user:password@host:port/dbname or sqlite:///path/to/file.sqlite3"
+        "durable: durable keeps its runs in PostgreSQL or SQLite, not mysql "
+        "(mysql://root:***@127.0.0.1/shop); use postgresql://user:password@host:port/dbname or sqlite:///path/to/file.sqlite3"
     ]
 
 
