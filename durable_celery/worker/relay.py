@@ -13,7 +13,9 @@ that seems lost. A re-send is a guess, so it is made sparingly:
 
 A pass stops at the first message the broker refuses (it is down): the rest stay flagged
 unsent for the next pass, which the upkeep thread makes later and later while the broker is
-away, so an outage never ties up a pass, nor fills the queue on its return.
+away, so an outage never ties up a pass, nor fills the queue on its return. A pass after a
+refusal is a ``probe``: it takes one run first, and a batch only once that one went out, so
+each pass of an outage writes one row, not a batch taken and flagged back.
 
 When a worker's consumer reconnects to the broker (broker_reconnect.py), :func:`resend_lost`
 makes a pass at once that does not wait ``relay_after``: a broker that restarted without
@@ -52,11 +54,12 @@ def resend_lost(rt: Runtime, app: Any) -> int:
     return relay_once(rt, app, lost=True)
 
 
-def relay_once(rt: Runtime, app: Any, lost: bool = False) -> int:
+def relay_once(rt: Runtime, app: Any, lost: bool = False, probe: bool = False) -> int:
     """Send every due run's message (new, woken or lost); returns how many were sent.
 
     ``lost``: a sent, unclaimed run is due for a re-send now, not ``relay_after`` after it
-    became due. Raises BrokerDown when the broker refused one (what was left stays flagged).
+    became due. ``probe`` (the broker refused the last pass): one run first, then batches.
+    Raises BrokerDown when the broker refused one (what was left stays flagged).
     """
     known = list(rt.registry.workflows)
     if not known:
@@ -69,10 +72,10 @@ def relay_once(rt: Runtime, app: Any, lost: bool = False) -> int:
         # No live node known (a relay run from the command line, say): no queue is ruled out.
         consumed = node_rows.live_queues(db, conn, s.stale_lock_timeout) if candidates else set()
     budget = resend_budget(app, candidates, consumed)
-    sent = 0
+    sent, size = 0, 1 if probe else RELAY_BATCH
     while True:
         with db.begin() as conn:
-            rows = queries.take_due_runs_txn(db, conn, after, RELAY_BATCH, *where)
+            rows = queries.take_due_runs_txn(db, conn, after, size, *where)
             to_send, marks = _choose(rows, budget, s.relay_after, keep=lost)
             queries.mark_relayed_txn(db, conn, marks)
         for n, row in enumerate(to_send):
@@ -81,8 +84,9 @@ def relay_once(rt: Runtime, app: Any, lost: bool = False) -> int:
                     queries.mark_unsent(conn, [r.id for r in to_send[n:]])
                 raise BrokerDown(f"the broker refused run {row.id}'s message; {len(to_send) - n} left")
             sent += 1
-        if len(rows) < RELAY_BATCH or (lost and not to_send):  # rows kept as they were come back
+        if len(rows) < size or (lost and not to_send):  # rows kept as they were come back
             return sent
+        size = RELAY_BATCH
 
 
 def resend_budget(app: Any, candidates: Sequence[Any], consumed: set[str]) -> dict[str | None, int]:

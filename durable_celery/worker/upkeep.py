@@ -114,7 +114,8 @@ class Upkeep:
             self._note_task_events()
             self._guarded(self._reconcile_queues)
             try:
-                self._guarded(partial(relay_once, self.rt, self.app), raising=(BrokerDown,))
+                probe = delay != s.poll_interval  # the broker refused the last pass
+                self._guarded(partial(relay_once, self.rt, self.app, probe=probe), raising=(BrokerDown,))
                 delay = s.poll_interval
             except BrokerDown as exc:  # back off: an outage must not tie up the relay
                 if delay == s.poll_interval:

@@ -133,6 +133,47 @@ def test_a_relay_pass_stops_at_the_first_refused_message(pg_url):
     durable.db.dispose()
 
 
+def test_a_probe_pass_during_an_outage_writes_one_row_not_a_batch(pg_url):
+    """After a refusal the relay probes with one run: a pass of an outage takes one row and
+    flags it back, where a full pass takes a batch and flags it all back."""
+    from sqlalchemy import event
+
+    durable = make(pg_url, DEAD_BROKER, "relay-probe", publish_retries=0)
+    ids = [durable.start("ship", {"order": n}) for n in range(30)]
+    assert durable.flush(timeout=10)
+    updated: list[int] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("UPDATE"):
+            updated.append(cursor.rowcount)
+
+    event.listen(durable.db.engine, "after_cursor_execute", count)
+    try:
+        with pytest.raises(BrokerDown):
+            relay_once(durable.runtime, durable.app, probe=True)
+        assert sum(updated) == 2  # the probe's run taken, then flagged unsent again
+        updated.clear()
+        with pytest.raises(BrokerDown):
+            relay_once(durable.runtime, durable.app)
+        assert sum(updated) == 60  # every due run taken, then flagged unsent again
+    finally:
+        event.remove(durable.db.engine, "after_cursor_execute", count)
+    assert not any(relay_state(durable, i).published for i in ids)
+    durable.db.dispose()
+
+
+def test_a_probe_that_goes_through_sends_the_rest_in_the_same_pass(pg_url, redis_client):
+    queue = f"relay-probe-ok-{uuid.uuid4().hex[:6]}"
+    durable = make(pg_url, REDIS_URL, queue, publish_in_background=False)
+    ids = [durable.start("ship", {"order": n}) for n in range(7)]
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id.in_(ids)).values(published=False))
+    assert relay_once(durable.runtime, durable.app, probe=True) == 7
+    assert all(relay_state(durable, i).published for i in ids)
+    redis_client.delete(queue)
+    durable.db.dispose()
+
+
 def test_a_broker_outage_starves_neither_the_sweep_nor_the_node_heartbeat(pg_url):
     # Default publish retries: each refused publish blocks about a second, as in production.
     durable = make(pg_url, DEAD_BROKER, "relay-outage", sweep_interval=0.5, stale_lock_timeout=2.0)
