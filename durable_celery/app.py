@@ -342,7 +342,8 @@ class Durable:
         return observe.list_keys(self.runtime, workflow, limit, prefix=prefix)
 
     def count_runs(self) -> dict[tuple[str, str], int]:
-        """How many runs each workflow has in each status."""
+        """How many runs each workflow has in each status, exactly: it reads every run (for
+        an overview of a big table, ``status_summary()`` counts each status up to 10,000)."""
         with self.db.engine.connect() as conn:
             return queries.count_runs_by_status(conn)
 

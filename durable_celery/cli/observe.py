@@ -37,7 +37,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         return
     click.echo(f"database: {d.db.masked_url}")
     click.echo("schema: up to date")
-    runs = "  ".join(f"{s} {n}" for s, n in sorted(info["runs"].items())) or "none"
+    cap = info["runs_counted_to"]
+    runs = "  ".join(f"{s} {n:,}{'+' if n >= cap else ''}" for s, n in sorted(info["runs"].items())) or "none"
     click.echo(f"runs: {runs}")
     oldest = info["oldest_ready_seconds"]
     click.echo(

@@ -81,14 +81,14 @@ def overview(durable: Durable) -> dict[str, Any]:
     db = durable.db
     now = db.utcnow()
     with db.engine.connect() as conn:
-        counts = queries.status_counts(conn)
+        counts = observe_rows.status_counts(conn)
         ready = observe_rows.ready_by_workflow(db, conn)
         failed = queries.failed_since(conn, now - timedelta(hours=1))
         stale = observe_rows.stale_lock_count(db, conn, durable.settings.stale_lock_timeout)
     queue_list = queues_data(durable)
     return {
         "runs": counts,
-        "count_cap": queries.COUNT_CAP,
+        "count_cap": observe_rows.COUNT_CAP,
         "ready_by_workflow": [
             {"workflow": r.workflow, "ready": int(r.ready), "oldest": aware(r.oldest)} for r in ready
         ],

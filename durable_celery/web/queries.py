@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, func, literal, select, union_all
+from sqlalchemy import Connection, func, select
 
 from ..store.schema import FINISHED, UNFINISHED, activity, events, keys, runs
 
@@ -18,7 +18,6 @@ STATUSES = UNFINISHED + FINISHED
 KEY_KINDS = ("key_duplicate", "key_handed_off", "key_released", "key_retaken")
 # Worker trouble the queues page reports (kinds other modules may record on the activity table).
 RECOVERY_KINDS = ("stale_recovered", "worker_fenced", "handed_back", "code_missing")
-COUNT_CAP = 10_000
 HOLDS_KEY = select(keys.c.holder_id).where(keys.c.holder_id == runs.c.id).exists().label("holds_key")
 
 
@@ -31,23 +30,6 @@ def workflow_names(conn: Connection, limit: int = 200) -> list[str]:
     names = first.union_all(following)
     query = select(names.c.name).where(names.c.name.is_not(None)).limit(limit)
     return [row.name for row in conn.execute(query)]
-
-
-def status_counts(conn: Connection, cap: int = COUNT_CAP) -> dict[str, int]:
-    """Runs per status, each count stopping at ``cap`` (an index range per status, never a scan)."""
-    parts = []
-    for status in STATUSES:
-        # Ordered as ix_durable_runs_status_created is: else a status most runs have would be
-        # counted by a sequential scan that stops at the cap.
-        capped = (
-            select(literal(1).label("one"))
-            .where(runs.c.status == status)
-            .order_by(runs.c.created_at)
-            .limit(cap)
-            .subquery()
-        )
-        parts.append(select(literal(status).label("status"), func.count().label("n")).select_from(capped))
-    return {row.status: int(row.n) for row in conn.execute(union_all(*parts))}
 
 
 def failed_since(conn: Connection, since: datetime) -> dict[str, int]:
