@@ -277,12 +277,16 @@ class DurableMetrics:
     def _on_worker_fenced(self, sender: Any = None, workflow: str = "", **_: Any) -> None:
         self.worker_fenced.labels(workflow).inc()
 
-    def _on_task_failure(self, sender: Any = None, **_: Any) -> None:
+    def _on_task_failure(self, sender: Any = None, exception: Any = None, **_: Any) -> None:
+        from celery.exceptions import WorkerLostError
+
         from ..worker.task_states import step_failed
 
         name = getattr(sender, "name", "") or ""
         ours = name.startswith("durable.") and getattr(sender, "app", None) is self.app
-        if ours and not step_failed(sender):  # a failed step is recorded: its FAILURE is no failed ack
+        # A failed step is recorded, and so is a lost pool process (lost.py): neither is a
+        # message whose result could not be recorded.
+        if ours and not step_failed(sender) and not isinstance(exception, WorkerLostError):
             self.ack_failed.labels(name).inc()
 
     def register(self, registry: Any) -> None:

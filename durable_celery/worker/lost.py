@@ -27,6 +27,7 @@ from celery import signals as celery_signals
 from celery.exceptions import Terminated as CeleryTerminated
 from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
+from kombu.utils.encoding import safe_repr
 
 from ..errors import Terminated
 from ..store import activity_rows, queries
@@ -72,11 +73,17 @@ class StepRequest(Request):
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         """Celery's failure handling, then: a step whose process died or was terminated has used
-        an attempt; one cancelled by a cold shutdown is handed back."""
+        an attempt; one cancelled by a cold shutdown is handed back. A lost process whose step
+        has an attempt left is shown as a retry (``task-retried``), not a failure."""
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback
+        retried = isinstance(exc, WorkerLostError) and bool(self.worker_pid) and self._attempt_left()
         try:
-            return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+            return super().on_failure(
+                exc_info, send_failed_event=send_failed_event and not retried, return_ok=return_ok
+            )
         finally:
-            exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback
+            if retried:
+                self.send_event("task-retried", exception=safe_repr(exc), traceback=exc_info.traceback)
             if isinstance(exc, WorkerLostError) and self.worker_pid:
                 reason = str(exc).removeprefix("Worker exited prematurely: ").rstrip(".")
                 self._record_lost(f"pool process {self.worker_pid} exited ({reason})")
@@ -101,6 +108,15 @@ class StepRequest(Request):
         if engine is None or workflow is None or not kwargs.get("run_id") or index >= len(workflow.steps):
             return None
         return engine, workflow, workflow.steps[index], kwargs
+
+    def _attempt_left(self) -> bool:
+        """Whether the message's step has an attempt after this one (its ``retry=``): durable
+        then tries it again, so Celery's state is a retry."""
+        found = self._step()
+        if found is None:
+            return False
+        step, kwargs = found[2], found[3]
+        return kwargs.get("phase", "step") == "step" and int(kwargs.get("attempt", 1)) < step.retry
 
     def _record_lost(self, why: str, error: type[Exception] | None = None) -> None:
         found = self._step()

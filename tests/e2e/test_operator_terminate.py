@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -62,6 +63,7 @@ APP = textwrap.dedent(
     @hold.step(retry=int(os.environ.get("RETRY", "2")))
     def wait_here(tag):
         # Each attempt leaves its task id, then runs until the test lets its tag go.
+        (marks / f"{tag}-pid-{current_run().attempt}").write_text(str(os.getpid()))
         (marks / f"{tag}-task-{current_run().attempt}").write_text(current_task.request.id)
         while not (marks / f"{tag}-go").exists():
             time.sleep(0.05)
@@ -334,3 +336,46 @@ def test_flower_metrics_and_the_dashboard_tell_the_same_story_of_a_terminated_st
     page = TestClient(create_app(client)).get(f"/runs/{run_id}").text
     assert "Terminated: the process running step &#39;wait_here&#39; died" in page
     assert "terminated by a control command (SIGKILL)" in page
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_killed_pool_process_with_an_attempt_left_is_a_retry_in_flower_and_no_failed_ack(
+    client: Durable, start: Any, env: dict[str, str]
+) -> None:
+    """The OOM killer, say: durable records the attempt and tries again, so Flower shows the
+    task RETRY (not FAILURE) and durable_ack_failed_total does not count it."""
+    flower_port, metrics_port = free_port(), free_port()
+    flower = f"http://127.0.0.1:{flower_port}"
+    start("flower", "flower", f"--port={flower_port}", "--address=127.0.0.1")
+    start_worker(start, env, "prefork", RETRY="2", METRICS_PORT=str(metrics_port))
+
+    def flower_sees_a_task() -> bool:  # Flower has only the events sent after it subscribed
+        run_id = client.start("ping")
+        wait_for(client, run_id, timeout=30)
+        tasks = http_json(f"{flower}/api/tasks?limit=100") or {}
+        return any(run_id in (t.get("kwargs") or "") for t in tasks.values())
+
+    until(flower_sees_a_task, 60, "Flower showing a step task")
+    run_id = client.start("hold", {"tag": "oom"})
+    marks = Path(env["MARKS"])
+    task_id = wait_file(marks / "oom-task-1", 30)
+    os.kill(int((marks / "oom-pid-1").read_text()), signal.SIGKILL)
+    second = wait_file(marks / "oom-task-2", 30)  # durable's own retry, in a new message
+    (marks / "oom-go").touch()
+    assert wait_for(client, run_id, timeout=30).output == 2
+
+    states = until(
+        lambda: (
+            (a := http_json(f"{flower}/api/task/info/{task_id}") or {}).get("state") == "RETRY"
+            and (b := http_json(f"{flower}/api/task/info/{second}") or {}).get("state") == "SUCCESS"
+            and (a, b)
+        ),
+        20,
+        "Flower showing the killed attempt RETRY and the next SUCCESS",
+    )
+    assert "WorkerLostError" in states[0]["exception"]
+    failed_step = sample("durable_steps_finished_total", workflow="hold", step="wait_here", status="failed")
+    samples = until(lambda: (s := scrape(metrics_port)).get(failed_step) and s, 20, "the metrics")
+    assert samples[failed_step] == 1
+    assert samples.get(sample("durable_ack_failed_total", task="durable.hold.wait_here"), 0) == 0
