@@ -23,7 +23,8 @@ The database is dropped; the Redis queue used is one of its own and is left empt
 Then what a payload carried through a run costs ("Pass ids, not payloads" in
 docs/production.md): three-step runs whose first step puts the input's ``doc`` in
 ``current_run().context``, ``--runs`` of them with a document id as ``doc`` and
-``--input-runs`` with a 100 KB document; bytes on disk (``pg_total_relation_size``, dead
+``--input-runs`` with a 100 KB document; and ``--runs`` with the id whose steps each log one
+WARNING line (what log capture stores per run); bytes on disk (``pg_total_relation_size``, dead
 versions, TOAST and indexes included) and bytes of live rows per run.
 
 Then what inputs cost: ``--input-runs`` runs of three steps with a 100 KB input (random, so TOAST
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import re
 import textwrap
@@ -93,6 +95,7 @@ COST_ROWS = {
 PAYLOAD_ROWS = {
     "id": 'a document id (`"s3://bucket/<uuid>"`), kept in the context',
     "document": "the 100 KB document itself, as input and in the context",
+    "logs": "the document id, and each step logs one WARNING line (log capture keeps it)",
 }
 PAYLOAD_COLUMNS = {
     "disk": "bytes on disk per run (every dead version included)",
@@ -187,6 +190,19 @@ def keep_doc(doc: str) -> None:
     current_run().context["doc"] = doc
 
 
+def log_a_warning(doc: str) -> None:
+    """A step of ``bench3_logs``: one WARNING line, which log capture saves on the step's row."""
+    logging.getLogger("bench.shop").warning(
+        "charged the card for %s (attempt %d)", doc, current_run().attempt
+    )
+
+
+def keep_doc_and_log(doc: str) -> None:
+    """The first step of ``bench3_logs``: as ``bench3_context``'s, and one WARNING line."""
+    keep_doc(doc)
+    log_a_warning(doc)
+
+
 def build(url: str, broker: str, queue: str) -> Durable:
     app = Celery("bench_cost", broker=broker, set_as_current=True)
     app.conf.update(
@@ -203,6 +219,10 @@ def build(url: str, broker: str, queue: str) -> Durable:
     carried.step(keep_doc, name="first")
     for name in ("second", "third"):
         carried.step(lambda doc: None, name=name)
+    logged = durable.workflow("bench3_logs")
+    logged.step(keep_doc_and_log, name="first")
+    for name in ("second", "third"):
+        logged.step(log_a_warning, name=name)
     return durable
 
 
@@ -242,16 +262,17 @@ def payload_costs(
 ) -> dict[str, dict[str, float]]:
     """Bytes on disk and of live rows per run: a document id kept in the context, then a 100 KB
     document as input and in the context."""
-    documents: dict[str, tuple[int, Callable[[], str]]] = {
-        "id": (runs, lambda: f"s3://bucket/{uuid.uuid4()}"),
-        "document": (input_runs, lambda: random_text(INPUT_BYTES - len('{"doc": ""}'))),
+    documents: dict[str, tuple[str, int, Callable[[], str]]] = {
+        "id": ("bench3_context", runs, lambda: f"s3://bucket/{uuid.uuid4()}"),
+        "document": ("bench3_context", input_runs, lambda: random_text(INPUT_BYTES - len('{"doc": ""}'))),
+        "logs": ("bench3_logs", runs, lambda: f"s3://bucket/{uuid.uuid4()}"),
     }
     figures = {}
-    for case, (n, document) in documents.items():
+    for case, (workflow, n, document) in documents.items():
         before, before_live = total_sizes(observer, TABLES), live_bytes(observer)
         say(f"{timer} starting {n} runs: {PAYLOAD_ROWS[case]}")
         with nothing_pruned(observer):
-            ids = [durable.start("bench3_context", {"doc": document()}) for _ in range(n)]
+            ids = [durable.start(workflow, {"doc": document()}) for _ in range(n)]
             with worker(durable, concurrency=concurrency, queues=[queue]):
                 wait_all(observer, ids, timer)
         after, after_live = total_sizes(observer, TABLES), live_bytes(observer)
@@ -558,7 +579,8 @@ def render_payloads(figures: Figures, when: date) -> list[str]:
     ]
     what = (
         f"three-step runs whose first step puts the input's `doc` in the context; {figures.runs}"
-        f" runs with the id, {figures.input_runs} with the document; nothing pruned"
+        f" runs with the id (and as many with the id and a WARNING line logged by each step),"
+        f" {figures.input_runs} with the document; nothing pruned"
     )
     return [made(figures, when, what), "", *table(["the workflow carries", *PAYLOAD_COLUMNS.values()], rows)]
 

@@ -56,7 +56,11 @@ def figures() -> run_cost.Figures:
         keyed={"INSERT": 1.0, "SELECT": 1.0, "UPDATE": 2.0, "WITH": 3.0},
         tables=tables,
         live={"durable_runs": 192.0, "durable_steps": 462.0},
-        payloads={"id": {"disk": 1700.0, "live": 774.0}, "document": {"disk": 425000.0, "live": 200670.0}},
+        payloads={
+            "id": {"disk": 1700.0, "live": 774.0},
+            "document": {"disk": 425000.0, "live": 200670.0},
+            "logs": {"disk": 3800.0, "live": 2004.0},
+        },
         inputs={
             "plain": {"durable_runs": 105000.0, "durable_steps": 800.0, "durable_activity": 0.0},
             "duplicates": {"durable_runs": 105000.0, "durable_steps": 800.0, "durable_activity": 14000.0},
