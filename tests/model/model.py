@@ -79,6 +79,7 @@ class Run:
     status: str = "pending"
     claimed: bool = False  # a worker has picked it up at least once (docs: "picked up")
     stage: int = 0  # the step that runs next: 0 first, 1 second
+    attempt: int = 1  # of the step at ``stage``
     due: float | None = 0.0  # virtual time when a worker may claim it; None: not until woken
     not_after: float | None = None  # debounce cap: the first start + timeout
     runs_after: int | None = None  # a run_again run: the holder it waits behind
@@ -328,7 +329,7 @@ class KeyModel:
             if outcome == "fail":
                 self._end(run, "failed", expect, error=("failed",))
             else:
-                run.status, run.stage, run.due = "running", 1, self.now
+                run.status, run.stage, run.due, run.attempt = "running", 1, self.now, 1
         elif outcome == "fail":
             run.status, run.due, run.error = "compensating", self.now, ("failed",)
         elif outcome == "wait" and EVENT not in run.received and not run.kept.get(EVENT):
@@ -356,6 +357,8 @@ class KeyModel:
             if row is not None and row.waiting == index:  # "just removes it"
                 row.waiting = None
             self._end(run, "cancelled", expect, error=("cancelled",))
+            # docs/watching.md: a cancel writes a `cancelled` entry, who and from where (none here).
+            self._entry(expect, "cancelled", index, run.key, by=None, **{"from": None})
             expect.returns = True
         return expect
 
@@ -385,6 +388,11 @@ class KeyModel:
                 row.holder, row.waiting = index, None
                 self._entry(expect, "key_retaken", index, run.key, **{"from": Ref(newer.index)})
         run.status, run.due, run.finished_at, run.error = "running", self.now, None, None
+        run.attempt += 1  # docs/watching.md: a `retried` entry, with the step and its next attempt
+        step = ("first", "second")[run.stage]
+        self._entry(
+            expect, "retried", index, run.key, by=None, step=step, attempt=run.attempt, **{"from": None}
+        )
         expect.returns = Ref(index)
         return expect
 

@@ -306,7 +306,7 @@ class Harness:
         self.check()
 
     def _check_signals(self, expect: Expect) -> None:
-        """One signal per activity entry, run_started per new run, run_finished per run that
+        """One signal per key activity entry, run_started per new run, run_finished per run that
         finished (``durable_celery.signals``)."""
         wanted = [("run_started", self.ids[r], self.model.runs[r].key) for r in expect.new_runs]
         for run in self.model.runs:
@@ -321,6 +321,8 @@ class Harness:
                 wanted.append(("key_duplicate", run_id, key, details["outcome"]))
             elif entry["kind"] == "key_released":
                 wanted.append(("key_release", run_id, key, details["by"]))
+            elif entry["kind"] in ("cancelled", "retried"):  # run_finished and nothing, above
+                continue
             else:  # key_handed_off, key_retaken
                 wanted.append(("key_handoff", run_id, key, details["from"]))
         got, self.sent[:] = list(self.sent), []
