@@ -17,7 +17,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from starlette.testclient import TestClient
 from durable_celery import Durable
 from durable_celery.web import create_app
 from tests.conftest import REDIS_URL
+from tests.e2e.support import until
 
 ROOT = Path(__file__).resolve().parents[2]
 PERIOD = 2.0
@@ -54,18 +55,6 @@ APP = textwrap.dedent(
     app.conf.beat_schedule = {"tick": durable.beat_entry("tick", float(os.environ["PERIOD"]), key="t")}
     """
 )
-
-
-def until(check: Callable[[], Any], timeout: float, what: str, log: Callable[[], str] = str) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n{log()}")
-        time.sleep(0.2)
 
 
 class Stack:

@@ -7,14 +7,10 @@ wait polls for a condition with a deadline.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +24,7 @@ from celery import Celery
 from durable_celery import Durable, InvalidArgument, schedules
 from durable_celery.store.db import utcnow
 from tests.conftest import PG_HOST, REDIS_URL
+from tests.e2e.support import free_port, http_json, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,32 +79,6 @@ class Stack:
     def logs(self, *names: str) -> Callable[[], str]:
         """The tail of these processes' logs, for a failure message."""
         return lambda: "\n".join(f"--- {n}\n{self.processes.log(n)[-3000:]}" for n in names)
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str, logs: Callable[[], str] = str) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n{logs()}")
-        time.sleep(0.2)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def http_json(url: str) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return json.loads(response.read())
-    except OSError:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +136,7 @@ def test_a_fire_every_second_never_runs_two_copies_of_a_keyed_run(stack: Stack) 
         done = durable.list_runs(workflow="slow", key="tick", status="completed")
         return len(done) >= 2 and len(duplicates(durable, "slow", "use_existing")) >= 2
 
-    wait_until(two_completed, 45, "two completed `slow` runs and duplicates", stack.logs("beat", "worker"))
+    until(two_completed, 45, "two completed `slow` runs and duplicates", stack.logs("beat", "worker"))
     assert_one_at_a_time(durable.list_runs(workflow="slow", key="tick", limit=1000))
     entry = durable.get_schedule("slow-every-second")
     assert (entry.name, entry.key, entry.failures, entry.enabled) == ("slow:tick", "tick", 0, True)
@@ -184,7 +155,7 @@ def test_fires_refused_by_on_duplicate_error_are_skipped_and_not_counted(stack: 
         done = durable.list_runs(workflow="strict", status="completed")
         return len(done) >= 2 and len(duplicates(durable, "strict", "error")) >= 3
 
-    wait_until(skipped_twice, 45, "two completed `strict` runs and skipped fires", stack.logs("beat"))
+    until(skipped_twice, 45, "two completed `strict` runs and skipped fires", stack.logs("beat"))
     assert_one_at_a_time(durable.list_runs(workflow="strict", limit=1000))
     entry = durable.get_schedule("strict:only")
     assert entry.failures == 0 and entry.enabled
@@ -198,7 +169,7 @@ def test_five_failed_fires_in_a_row_switch_a_schedule_off(stack: Stack) -> None:
     def disabled() -> list[Any]:
         return durable.activity(kinds=["schedule_disabled"], workflow="failing")
 
-    (off,) = wait_until(disabled, 45, "the failing schedule switched off", stack.logs("beat", "worker"))
+    (off,) = until(disabled, 45, "the failing schedule switched off", stack.logs("beat", "worker"))
     assert off.details["schedule"] == "failing:f" and off.details["failures"] == 5
     entry = durable.get_schedule("failing:f")
     assert (entry.enabled, entry.failures, entry.last_outcome) == (False, 5, "failed")
@@ -223,9 +194,9 @@ def check_run_time_schedule(durable: Durable, logs: Callable[[], str]) -> None:
             r.input.get("n") == n for r in durable.list_runs(workflow="quick", key="dyn", status="completed")
         )
 
-    wait_until(completed_with(1), 20, "a run of the new schedule", logs)
+    until(completed_with(1), 20, "a run of the new schedule", logs)
     durable.update_schedule("dyn", input={"n": 2})
-    wait_until(completed_with(2), 20, "a run with the updated input", logs)
+    until(completed_with(2), 20, "a run with the updated input", logs)
     assert durable.trigger_schedule("dyn")
     assert durable.delete_schedule("dyn")
     deleted_at = utcnow()
@@ -234,7 +205,7 @@ def check_run_time_schedule(durable: Durable, logs: Callable[[], str]) -> None:
         tick = durable.get_schedule("slow:tick").last_fire_at
         return tick is not None and (tick - deleted_at).total_seconds() > 3
 
-    wait_until(beat_fired_thrice_since, 20, "more fires of another schedule", logs)
+    until(beat_fired_thrice_since, 20, "more fires of another schedule", logs)
     late = [
         r
         for r in durable.list_runs(workflow="quick", key="dyn", limit=1000)
@@ -253,14 +224,14 @@ def test_flower_shows_step_tasks_with_run_id_key_step_and_attempt(stack: Stack) 
     durable = stack.durable
     flower, logs = stack.flower, stack.logs("flower")
     # The beat's fires are tasks too: once Flower lists one, it receives the worker's events.
-    wait_until(lambda: http_json(f"{flower}/api/tasks?limit=1"), 30, "Flower seeing task events", logs)
+    until(lambda: http_json(f"{flower}/api/tasks?limit=1"), 30, "Flower seeing task events", logs)
     run_id = durable.start("quick", {"n": 7}, key="flower-key")
 
     def step_tasks() -> list[Any]:
         tasks = http_json(f"{flower}/api/tasks?limit=1000") or {}
         return [t for t in tasks.values() if run_id in (t.get("kwargs") or "")]
 
-    (task,) = wait_until(step_tasks, 30, f"run {run_id}'s step task in Flower", logs)
+    (task,) = until(step_tasks, 30, f"run {run_id}'s step task in Flower", logs)
     assert task["name"] == "durable.quick.work"
     assert "key: 'flower-key'" in task["kwargs"] and "step: work" in task["kwargs"]
     assert "attempt: 1" in task["kwargs"]
@@ -272,7 +243,7 @@ def test_flower_shows_step_tasks_with_run_id_key_step_and_attempt(stack: Stack) 
 @pytest.mark.timeout(60)
 def test_the_schedules_command_lists_key_next_fire_outcome_and_failures(stack: Stack) -> None:
     durable = stack.durable
-    wait_until(lambda: durable.get_schedule("slow:tick").last_outcome, 20, "a fire")
+    until(lambda: durable.get_schedule("slow:tick").last_outcome, 20, "a fire")
     env = stack.processes.env
     done = subprocess.run(
         celery("durable", "schedules"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
@@ -310,7 +281,7 @@ def test_default_scheduler_on_the_embedded_default(tmp_path: Path) -> None:
             return len(done) >= 2 and len(duplicates(durable, "slow", "use_existing")) >= 2
 
         logs = lambda: processes.log("beat")[-3000:] + processes.log("worker")[-3000:]  # noqa: E731
-        wait_until(two_completed, 45, "two completed runs under the default scheduler", logs)
+        until(two_completed, 45, "two completed runs under the default scheduler", logs)
         assert_one_at_a_time(durable.list_runs(workflow="slow", key="tick", limit=1000))
         check_run_time_schedule(durable, logs)
     finally:

@@ -16,7 +16,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from celery import Celery
 from durable_celery import Durable
 from durable_celery.testing import wait_for
 from tests.conftest import REDIS_URL
+from tests.e2e.support import until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,18 +47,6 @@ APP = textwrap.dedent(
     ping.step(lambda: "pong", name="pong", queue=os.environ["FAST"])
     """
 )
-
-
-def until(check: Callable[[], Any], timeout: float, what: str, log: Callable[[], str] = str) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n{log()}")
-        time.sleep(0.1)
 
 
 @pytest.fixture

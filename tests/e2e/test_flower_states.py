@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from celery import signals as celery_signals
 from durable_celery import Durable, current_run
 from durable_celery.testing import wait_for, worker
 from tests.conftest import REDIS_URL
+from tests.e2e.support import free_port, http_json, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,32 +95,6 @@ def define(durable: Durable, marks: str) -> None:
     def nap() -> str:
         current_run().sleep(0.3)  # parks the run: the worker is freed until it wakes
         return "rested"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def http_json(url: str) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return json.loads(response.read())
-    except OSError:
-        return None
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str, logs: Callable[[], str] = str) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n{logs()}")
-        time.sleep(0.1)
 
 
 class Stack:
@@ -216,7 +189,7 @@ def test_flower_shows_success_retry_failure_and_ignored_as_the_attempts_came_out
             time.sleep(0.1)
         return False
 
-    wait_until(flower_sees_a_run, 40, "Flower showing a step task", logs)
+    until(flower_sees_a_run, 40, "Flower showing a step task", logs)
 
     ok, flaky, doomed, undo, snoozy, sleepy = (
         durable.start(name)
@@ -251,7 +224,7 @@ def test_flower_shows_success_retry_failure_and_ignored_as_the_attempts_came_out
         lines = [f"{run_id}: {stack.states(run_id)} (expected {s})" for run_id, s in expected.items()]
         return "\n".join(lines) + "\n" + logs()
 
-    wait_until(all_states_shown, 20, "every step task in its state", shown)
+    until(all_states_shown, 20, "every step task in its state", shown)
 
     # SUCCESS carries a short summary: the run, the step, and the next step or the run's status.
     first, second, copy = stack.run_tasks(ok)

@@ -30,7 +30,7 @@ from durable_celery import Durable
 from durable_celery.testing import wait_for
 from durable_celery.web import create_app
 from tests.conftest import REDIS_URL
-from tests.e2e.test_flower_states import free_port, http_json
+from tests.e2e.support import free_port, http_json, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,14 +134,6 @@ def wait_file(path: Path, seconds: float) -> str:
         assert time.monotonic() < deadline, f"{path.name} did not appear within {seconds}s"
         time.sleep(0.02)
     return path.read_text()
-
-
-def until(check: Callable[[], Any], seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + seconds
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return found
 
 
 def node(env: dict[str, str]) -> str:

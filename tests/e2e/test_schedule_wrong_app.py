@@ -15,9 +15,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from celery import Celery
 
 from durable_celery import Durable
 from tests.conftest import PG_HOST, REDIS_URL
+from tests.e2e.support import until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,18 +63,6 @@ APP_B = textwrap.dedent(
     invoice.step(lambda: "sent", name="send")
     """
 )
-
-
-def until(check: Callable[[], Any], timeout: float, what: str, log: Callable[[], str] = str) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n{log()}")
-        time.sleep(0.2)
 
 
 @pytest.fixture
