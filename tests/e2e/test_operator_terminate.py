@@ -285,23 +285,30 @@ def sample(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
     return name, frozenset(labels.items())
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_flower_metrics_and_the_dashboard_tell_the_same_story_of_a_terminated_step(
-    client: Durable, start: Any, env: dict[str, str], tmp_path: Path
-) -> None:
+def watched_worker(client: Durable, start: Any, env: dict[str, str], retry: int) -> tuple[str, int]:
+    """Flower and a prefork worker serving metrics, once Flower shows a step task (it has only
+    the events sent after it subscribed): Flower's URL and the metrics port."""
     flower_port, metrics_port = free_port(), free_port()
     flower = f"http://127.0.0.1:{flower_port}"
     start("flower", "flower", f"--port={flower_port}", "--address=127.0.0.1")
-    start_worker(start, env, "prefork", RETRY="1", METRICS_PORT=str(metrics_port))
+    start_worker(start, env, "prefork", RETRY=str(retry), METRICS_PORT=str(metrics_port))
 
-    def flower_sees_a_task() -> bool:  # Flower has only the events sent after it subscribed
+    def flower_sees_a_task() -> bool:
         run_id = client.start("ping")
         wait_for(client, run_id, timeout=30)
         tasks = http_json(f"{flower}/api/tasks?limit=100") or {}
         return any(run_id in (t.get("kwargs") or "") for t in tasks.values())
 
     until(flower_sees_a_task, 60, "Flower showing a step task")
+    return flower, metrics_port
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_flower_metrics_and_the_dashboard_tell_the_same_story_of_a_terminated_step(
+    client: Durable, start: Any, env: dict[str, str], tmp_path: Path
+) -> None:
+    flower, metrics_port = watched_worker(client, start, env, retry=1)
     run_id = client.start("hold", {"tag": "d"})
     task_id = wait_file(Path(env["MARKS"]) / "d-task-1", 30)
     assert f"terminate: {task_id}" in control(env, tmp_path, "terminate", "SIGKILL", task_id)
@@ -337,18 +344,7 @@ def test_a_killed_pool_process_with_an_attempt_left_is_a_retry_in_flower_and_no_
 ) -> None:
     """The OOM killer, say: durable records the attempt and tries again, so Flower shows the
     task RETRY (not FAILURE) and durable_ack_failed_total does not count it."""
-    flower_port, metrics_port = free_port(), free_port()
-    flower = f"http://127.0.0.1:{flower_port}"
-    start("flower", "flower", f"--port={flower_port}", "--address=127.0.0.1")
-    start_worker(start, env, "prefork", RETRY="2", METRICS_PORT=str(metrics_port))
-
-    def flower_sees_a_task() -> bool:  # Flower has only the events sent after it subscribed
-        run_id = client.start("ping")
-        wait_for(client, run_id, timeout=30)
-        tasks = http_json(f"{flower}/api/tasks?limit=100") or {}
-        return any(run_id in (t.get("kwargs") or "") for t in tasks.values())
-
-    until(flower_sees_a_task, 60, "Flower showing a step task")
+    flower, metrics_port = watched_worker(client, start, env, retry=2)
     run_id = client.start("hold", {"tag": "oom"})
     marks = Path(env["MARKS"])
     task_id = wait_file(marks / "oom-task-1", 30)
