@@ -67,16 +67,16 @@ def relay_once(rt: Runtime, app: Any, lost: bool = False, probe: bool = False) -
     where = (runs.c.workflow.in_(known), ~queue_rows.paused_exists())  # a paused queue's runs wait
     s, db = rt.settings, rt.db
     after = 0.0 if lost else s.relay_after  # how long a sent run stays unclaimed before a re-send
-    with db.engine.connect() as conn:
-        candidates = queries.relay_candidates(db, conn, after, *where)
-        # No live node known (a relay run from the command line, say): no queue is ruled out.
-        consumed = node_rows.live_queues(db, conn, s.stale_lock_timeout) if candidates else set()
-    budget = resend_budget(app, candidates, consumed)
+    budget: dict[str | None, int] | None = None  # worked out once a re-send is due, not before
     sent, size = 0, 1 if probe else RELAY_BATCH
     while True:
         with db.begin() as conn:
             rows = queries.take_due_runs_txn(db, conn, after, size, *where)
-            to_send, marks = _choose(rows, budget, s.relay_after, keep=lost)
+            if budget is None and any(row.resend for row in rows):
+                conn.rollback()  # the rows' locks go while the broker is asked; taken again below
+                budget = _budget(rt, app, after, where)
+                continue
+            to_send, marks = _choose(rows, budget or {}, s.relay_after, keep=lost)
             queries.mark_relayed_txn(db, conn, marks)
         for n, row in enumerate(to_send):
             if not _send(rt, row):
@@ -87,6 +87,17 @@ def relay_once(rt: Runtime, app: Any, lost: bool = False, probe: bool = False) -
         if len(rows) < size or (lost and not to_send):  # rows kept as they were come back
             return sent
         size = RELAY_BATCH
+
+
+def _budget(rt: Runtime, app: Any, after: float, where: Sequence[Any]) -> dict[str | None, int]:
+    """Each queue's re-send budget (below), read only in a pass that met a re-send due: the
+    count of sent, unclaimed runs reads the whole ready backlog."""
+    db, s = rt.db, rt.settings
+    with db.engine.connect() as conn:
+        candidates = queries.relay_candidates(db, conn, after, *where)
+        # No live node known (a relay run from the command line, say): no queue is ruled out.
+        consumed = node_rows.live_queues(db, conn, s.stale_lock_timeout) if candidates else set()
+    return resend_budget(app, candidates, consumed)
 
 
 def resend_budget(app: Any, candidates: Sequence[Any], consumed: set[str]) -> dict[str | None, int]:

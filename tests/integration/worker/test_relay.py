@@ -376,3 +376,29 @@ def test_a_relay_pass_takes_its_runs_a_batch_at_a_time(durable, monkeypatch):
             durable.start("shipped", connection=conn)
     assert relay.relay_once(durable.runtime, durable.app) == 5
     assert taken == [2, 2, 1]
+
+
+def test_a_pass_with_no_re_send_due_reads_no_backlog_count(pg_url, redis_client, monkeypatch):
+    """The per-queue count of sent, unclaimed runs reads the whole ready backlog: a pass reads
+    it only once it meets a run due for a re-send."""
+    from durable_celery.worker import relay
+
+    queue = f"relay-nocount-{uuid.uuid4().hex[:6]}"
+    durable = make(pg_url, REDIS_URL, queue, relay_after=60.0)
+    run_ids = [durable.start("ship", {"order": n}) for n in range(3)]
+    assert durable.flush(timeout=10)
+    counted: list[float] = []
+    real = relay.queries.relay_candidates
+
+    def counting(db, conn, after, *where):
+        counted.append(after)
+        return real(db, conn, after, *where)
+
+    monkeypatch.setattr(relay.queries, "relay_candidates", counting)
+    assert relay_once(durable.runtime, durable.app) == 0 and counted == []  # sent a moment ago
+    with durable.db.begin() as conn:  # became due long ago: a re-send is due now
+        conn.execute(update(runs).where(runs.c.id.in_(run_ids)).values(due_at=utcnow() - timedelta(hours=1)))
+    assert relay_once(durable.runtime, durable.app) == 0  # all three still wait in the queue
+    assert counted == [60.0]
+    redis_client.delete(queue)
+    durable.db.dispose()
