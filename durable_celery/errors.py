@@ -1,4 +1,4 @@
-"""Exceptions raised by durable_celery; every one derives from :class:`DurableError`."""
+"""Exceptions raised by durable_celery; every one derives from ``DurableError``."""
 
 from __future__ import annotations
 

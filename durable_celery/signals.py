@@ -1,13 +1,13 @@
 """Lifecycle signals of durable runs, as Celery ``Signal`` objects.
 
-Connect as with any Celery signal::
+Connect as with any Celery signal:
 
     from durable_celery import signals
 
     @signals.run_finished.connect
     def on_finished(sender, run_id, workflow, status, **kw): ...
 
-``sender`` is the :class:`~durable_celery.Durable` instance.
+``sender`` is the ``Durable`` instance.
 """
 
 from celery.utils.dispatch import Signal
