@@ -13,7 +13,7 @@ def main() -> None:
     """
 
 
-@main.command(short_help="Run the shop example with no servers (from a checkout).")
+@main.command(short_help="Run the shop example with no servers.")
 @click.option(
     "--timeout",
     default=30.0,
@@ -23,7 +23,7 @@ def main() -> None:
 def demo(timeout: float) -> None:
     """Run the shop example on the embedded default (SQLite and a serverless broker; no servers).
 
-    Run it from the root of a durable_celery checkout: it imports examples/shop.py.
+    It runs durable_celery.demo_shop in a temporary directory, from any folder.
     """
     from .demo import run_demo
 

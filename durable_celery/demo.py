@@ -1,9 +1,10 @@
 """``python -m durable_celery demo``: the shop example on the embedded default, with no servers.
 
-It runs the workflows of ``examples/shop.py`` in a fresh temporary directory (a SQLite file and
-the serverless ``durablefs://`` broker), with a real Celery worker in this process, and prints
-what became of every run. The output names no ids, times or durations, so it is the same on
-every machine and a test compares it whole.
+It runs the workflows of ``durable_celery.demo_shop`` (``examples/shop.py`` in a checkout) in a
+fresh temporary directory (a SQLite file and the serverless ``durablefs://`` broker), with a real
+Celery worker in this process, and prints what became of every run. It needs nothing but the
+installed package, and works from any folder. The output names no ids, times or durations, so it
+is the same on every machine and a test compares it whole.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def embedded_home(home: str) -> Iterator[None]:
     """
     saved_env = {name: os.environ.get(name) for name in SERVER_VARIABLES}
     saved_cwd = os.getcwd()
-    # `python -m` put the checkout on sys.path as the working directory; keep it there as a path.
+    # `python -m` put the working directory on sys.path as ""; keep it there as a path.
     sys.path[:] = [os.path.abspath(p) if p in ("", ".") else p for p in sys.path]
     for name in SERVER_VARIABLES:
         os.environ.pop(name, None)
@@ -121,23 +122,15 @@ def embedded_home(home: str) -> Iterator[None]:
 
 
 def import_shop() -> ModuleType:
-    """Import ``examples.shop`` from the checkout, or explain where to run the demo from."""
+    """Import the shop shipped with the package; its ``Durable`` is made at import, in ``home``."""
     import importlib
 
-    try:
-        return importlib.import_module("examples.shop")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("examples", "examples.shop"):
-            raise
-        raise click.ClickException(
-            "the demo runs examples/shop.py of a durable_celery checkout, which is not importable "
-            "from here: run `python -m durable_celery demo` from the root of a checkout"
-        ) from exc
+    return importlib.import_module("durable_celery.demo_shop")
 
 
 def demo(durable: Durable, echo: Echo, timeout: float) -> None:
     """Migrate, start the runs, run a worker until they finish, and report each run."""
-    echo("durable_celery demo: the workflows of examples/shop.py on the embedded default")
+    echo("durable_celery demo: the shop's workflows (durable_celery/demo_shop.py) on the embedded default")
     echo("(a SQLite file and the durablefs:// broker in a temporary directory; no servers)")
     echo("")
     echo("Migrating the database")
