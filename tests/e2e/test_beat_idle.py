@@ -23,7 +23,8 @@ from celery import Celery
 from durable_celery import Durable
 from durable_celery.store.db import utcnow
 from tests.conftest import PG_HOST, REDIS_URL
-from tests.e2e.test_beat_flower import ROOT, Processes, env_for, wait_until
+from tests.e2e.support import until
+from tests.e2e.test_beat_flower import ROOT, Processes, env_for
 
 
 def define(durable: Durable) -> None:
@@ -98,7 +99,7 @@ def test_a_schedule_made_while_beat_idles_fires_within_seconds(idle_stack: Any) 
         found = re.findall(r"beat: Waking up in ([\d.]+) (second|minute)", processes.log("beat"))
         return [float(n) * (60 if unit == "minute" else 1) for n, unit in found]
 
-    sleeps = wait_until(idling, 30, "beat to idle", logs)
+    sleeps = until(idling, 30, "beat to idle", logs)
     assert max(sleeps) <= 5.0  # Durable's default, not RedBeat's 300 s
     made_at = utcnow()
     durable.schedule("idle_job", 2, key="k", input={"n": 7}, name="every-2s")
@@ -106,6 +107,6 @@ def test_a_schedule_made_while_beat_idles_fires_within_seconds(idle_stack: Any) 
     def started() -> Any:
         return [r for r in durable.list_runs(workflow="idle_job") if r.started_at is not None]
 
-    (run, *_) = wait_until(started, 20, "a run of the new schedule", logs)
+    (run, *_) = until(started, 20, "a run of the new schedule", logs)
     assert run.key == "k"
     assert (run.created_at - made_at).total_seconds() < 15
