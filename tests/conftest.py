@@ -5,6 +5,9 @@ The suite is a good neighbour on shared servers: it drops only databases it crea
 session's template ``durable_test_template_<hex>`` and each test's clone) and flushes nothing.
 Its broker is a ``redis-server`` of its own on a spare port, started for the session's first test
 outside ``tests/unit`` and stopped at the end, unless ``DURABLE_TEST_REDIS`` names one to use.
+Tests on RabbitMQ (``backend="rabbitmq"``, or the ``rabbitmq`` fixture) use the RabbitMQ at
+``DURABLE_TEST_AMQP`` (127.0.0.1:5672) in a vhost of the session's own (``durable_test_<hex>``,
+one per xdist worker), made with ``rabbitmqctl`` and deleted at the end.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ PG_HOST = os.environ.get("DURABLE_TEST_PG", "postgresql://postgres@127.0.0.1:543
 # Tests import REDIS_URL: it is fixed here, and the private server starts on this port later.
 PRIVATE_REDIS_PORT = None if os.environ.get("DURABLE_TEST_REDIS") else _spare_port()
 REDIS_URL = os.environ.get("DURABLE_TEST_REDIS") or f"redis://127.0.0.1:{PRIVATE_REDIS_PORT}/0"
+AMQP_HOST = os.environ.get("DURABLE_TEST_AMQP", "127.0.0.1:5672")
 TEMPLATE = os.environ.get("DURABLE_TEST_TEMPLATE") or f"durable_test_template_{uuid.uuid4().hex[:10]}"
 UNIT_TESTS = Path(__file__).resolve().parent / "unit"
 
@@ -182,6 +186,35 @@ def redis_client(redis_server: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+def rabbitmqctl(*args: str) -> str:
+    """Run ``rabbitmqctl`` on the machine's node; its output (fails the test when it fails)."""
+    try:
+        done = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.fail("no rabbitmqctl on the PATH: install RabbitMQ", pytrace=False)
+    if done.returncode:
+        pytest.fail(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}", pytrace=False)
+    return done.stdout
+
+
+@pytest.fixture(scope="session")
+def rabbitmq() -> Iterator[str]:
+    """The AMQP URL of a vhost of this session's own on the machine's RabbitMQ (user guest),
+    deleted at the end with everything in it (fails, never skips, without RabbitMQ)."""
+    vhost = f"durable_test_{uuid.uuid4().hex[:10]}"
+    rabbitmqctl("add_vhost", vhost)
+    try:
+        rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@{AMQP_HOST}/{vhost}"
+    finally:
+        rabbitmqctl("delete_vhost", vhost)
+
+
+# The brokers the broker-sensitive tests run on: ``@pytest.mark.parametrize("backend", BROKERS)``
+# gives them PostgreSQL with Redis, then PostgreSQL with RabbitMQ.
+BROKERS = ["postgres", "rabbitmq"]
+
+
 @pytest.fixture
 def pg_url(pg_template: str) -> Iterator[str]:
     """A fresh, migrated PostgreSQL database for this test."""
@@ -218,6 +251,8 @@ def make_durable(backend: str, request: pytest.FixtureRequest, tmp_path: Any) ->
     elif backend == "postgres":
         request.getfixturevalue("redis_client")
         url, broker = request.getfixturevalue("pg_url"), REDIS_URL
+    elif backend == "rabbitmq":
+        url, broker = request.getfixturevalue("pg_url"), request.getfixturevalue("rabbitmq")
     else:
         url, broker = f"sqlite:///{tmp_path}/durable.sqlite3", "memory://"
         if backend == "memory" or os.environ.get("DURABLE_TEST_SQLITE") == "memory":

@@ -15,7 +15,10 @@ Nothing gets weaker, because the run row is the outbox:
 - a batch the broker refuses is tried again ``publish_retries`` times on a new connection (each
   connection one attempt, no kombu retry loop); then its runs are flagged ``published=false``
   and the relay sends them at its next pass. While the broker stays away, each later batch gets
-  one attempt before it is flagged;
+  one attempt before it is flagged. On RabbitMQ a message counts as sent only once the broker
+  confirmed it (publisher confirms, ``confirm_publish``, on unless the app's
+  ``broker_transport_options`` turn them off): a nack, or no confirm within ``SOCKET_TIMEOUT``,
+  is a refusal like any other;
 - a worker flushes after every task (``task_postrun``), so what a step started is sent before
   its task is acknowledged, and a forked child starts with an empty queue of its own (the parent
   sends what it queued);
@@ -71,6 +74,7 @@ EXIT_SECONDS = 1.0
 PAUSES = (0.2, 0.7, 1.0)  # between the tries of a batch the broker refused (then 1 s each)
 # The socket timeouts of our Redis connections (unless ``broker_transport_options`` sets its
 # own): a broker that takes connections and never answers holds a try about twice this long.
+# On RabbitMQ, the longest a publish waits for the broker's confirm.
 SOCKET_TIMEOUT = 5.0
 # The thread ends after this long with nothing to send (the next ``send_soon`` starts another),
 # so an idle process, or a discarded ``Durable``, keeps no thread (nor the app it refers to).
@@ -175,6 +179,7 @@ class Publisher:
         self._producer: Any = None
         self._declared: set[tuple[str, str | None]] = set()  # queues declared on that connection
         self._redis = False
+        self._confirm: dict[str, Any] = {}  # on RabbitMQ with confirms: how long to wait for one
         self._routes: dict[tuple[str, str | None], Route] = {}  # per step task and queue
         # The message's "origin" as Celery writes it (gen<pid>@host), made once per process
         # instead of once per message.
@@ -397,13 +402,18 @@ class Publisher:
         return producer
 
     def _connection_options(self) -> dict[str, Any]:
-        """Socket timeouts for our Redis connections, where the app sets none (importing the
-        transport's module on first use)."""
+        """Socket timeouts for our Redis connections, publisher confirms for our RabbitMQ ones,
+        where the app sets none (importing the transport's module on first use)."""
         if self._options is None:
             own = self.app.conf.broker_transport_options or {}
-            redis = self.app.connection_for_write().get_transport_cls().driver_type == "redis"
-            names = ("socket_timeout", "socket_connect_timeout") if redis else ()
-            self._options = {name: SOCKET_TIMEOUT for name in names if name not in own}
+            driver = self.app.connection_for_write().get_transport_cls().driver_type
+            names = ("socket_timeout", "socket_connect_timeout") if driver == "redis" else ()
+            options: dict[str, Any] = {name: SOCKET_TIMEOUT for name in names if name not in own}
+            if driver == "amqp":
+                options["confirm_publish"] = own.get("confirm_publish", True)
+                if options["confirm_publish"]:
+                    self._confirm = {"confirm_timeout": SOCKET_TIMEOUT}
+            self._options = options
         return self._options
 
     def _thread_producer(self) -> Held:
@@ -420,20 +430,24 @@ class Publisher:
                 producer.connection.close()
 
     def _send_task(self, message: Message) -> None:
-        """``app.send_task`` on a producer from Celery's pool, with the retry policy."""
+        """``app.send_task`` on a connection of ours (publisher confirms on RabbitMQ), with the
+        retry policy."""
         options: dict[str, Any] = {"queue": message.queue} if message.queue else {}
-        self.app.send_task(
-            message.task_name,
-            kwargs=message.kwargs(),
-            serializer="json",
-            argsrepr="()",
-            kwargsrepr=message.kwargsrepr(),
-            retry=True,
-            retry_policy=self._policy,
-            add_to_parent=False,
-            ignore_result=True,
-            **options,
-        )
+        with self.app.connection_for_write(transport_options=self._connection_options()) as conn:
+            self.app.send_task(
+                message.task_name,
+                kwargs=message.kwargs(),
+                serializer="json",
+                argsrepr="()",
+                kwargsrepr=message.kwargsrepr(),
+                retry=True,
+                retry_policy=self._policy,
+                add_to_parent=False,
+                ignore_result=True,
+                connection=conn,
+                **options,
+                **self._confirm,
+            )
 
     def _emit(self, message: Message, producer: Any, declared: set[tuple[str, str | None]]) -> None:
         """What ``app.send_task`` does, on the held producer, with the routing of the step's
@@ -464,7 +478,9 @@ class Publisher:
             **options,
         )
         with tracing.attached(message.context):
-            amqp.send_task_message(producer, message.task_name, built, retry=False, **options)
+            amqp.send_task_message(
+                producer, message.task_name, built, retry=False, **options, **self._confirm
+            )
         declared.add((message.task_name, message.queue))
 
     def _route(self, task_name: str, queue: str | None) -> Route:
