@@ -232,3 +232,34 @@ def test_a_run_without_its_code_here_is_deferred_or_failed_only_if_unclaimed_at_
         assert row.finished_at is not None
     untouched = run_row(durable, bystander)
     assert (untouched.status, untouched.published, untouched.due_at is not None) == ("pending", True, True)
+
+
+def test_records_with_and_without_a_continuation_each_keep_their_own_statement(durable):
+    """The same run values recorded without, then with, an inline continuation: each record
+    has its statement (the second claims the next step and returns the claim's columns)."""
+    steps = Steps(durable)
+    first, second = start_runs(durable, steps, 2)
+    values = {"status": "running", "step_index": 1, "step_name": "second"}
+
+    def step_row(run_id: str) -> dict[str, Any]:
+        now = durable.db.utcnow()
+        return {
+            "step_index": 0,
+            "phase": "step",
+            "name": "first",
+            "attempt": 1,
+            "status": "completed",
+            "started_at": now,
+            "finished_at": now,
+        }
+
+    rows = []
+    with durable.db.begin() as conn:  # the record without a continuation is built (and cached) first
+        for run_id, go_on in ((first, None), (second, queries.GoOn("w:1:1", "celery"))):
+            held = queries.claim_run(durable.db, conn, run_id, 0, "w:1:1")
+            rows.append(
+                queries.record_step_txn(durable.db, conn, run_id, held.fence, values, step_row(run_id), go_on)
+            )
+    assert rows[0] is not None and rows[1].locked_by == "w:1:1" and rows[1].step_name == "second"
+    assert run_row(durable, first).locked_by is None  # recorded, left for the next message
+    assert run_row(durable, second).locked_by == "w:1:1"  # recorded, and its next step claimed
