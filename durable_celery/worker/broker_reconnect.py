@@ -14,9 +14,9 @@ them), so the teardown Celery runs next finds it closed. :func:`install` makes i
 class of an app's workers.
 
 Once it has connected again after a lost connection, the consumer has the worker's relay make a
-pass at once (relay.py ``resend_lost``, from a thread of its own): the messages a restarted
-broker lost, and those a producer stopped before it could flag, go out within seconds instead of
-``relay_after``.
+pass at once and another 5 s later (relay.py ``resend_lost``, from a thread of its own): the
+messages a restarted broker lost, and those a producer stopped before it could flag, go out
+within seconds instead of ``relay_after``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 from celery import Celery
@@ -39,6 +40,7 @@ CELERY_CONSUMER = "celery.worker.consumer:Consumer"
 CONSUMER = f"{__name__}:Consumer"
 TEARDOWN_TIMEOUT = 5.0  # seconds a socket read or connect may take while tearing down
 CLOSE_TRIES = 3  # the first close of a Redis channel can stop at its pending BRPOP
+RECONNECT_PASSES = (0.0, 5.0)  # seconds before each re-send pass after a reconnect
 
 
 class Consumer(CeleryConsumer):  # type: ignore[misc]
@@ -58,20 +60,26 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
 
 
 def relay_after_reconnect(app: Celery) -> threading.Thread | None:
-    """Start a relay pass that re-sends at once the runs whose message the broker cannot hold
-    (``resend_lost``), in a thread; None when this app's workers run no upkeep."""
+    """Start relay passes (``RECONNECT_PASSES``) that re-send the runs whose message the broker
+    cannot hold (``resend_lost``), in a thread; None when this app's workers run no upkeep."""
     rt = getattr(app, "_durable_runtime", None)
     if rt is None or not rt.settings.upkeep:
         return None
 
     def relay() -> None:
-        try:
-            sent = resend_lost(rt, app)
-        except BrokerDown as exc:  # gone again: the relay thread's passes go on as before
-            logger.warning("durable: relay after reconnecting: %s", exc)
-        except Exception:
-            logger.exception("durable: relay after reconnecting failed; the relay thread goes on")
-        else:
+        # At once, and once more a moment later: a message taken by a consumer when the broker
+        # went (in flight, not in the queue) or a depth the broker could not tell yet at the
+        # first pass shows at the second. Re-sends stay within each queue's budget.
+        for pause in RECONNECT_PASSES:
+            time.sleep(pause)
+            try:
+                sent = resend_lost(rt, app)
+            except BrokerDown as exc:  # gone again: the relay thread's passes go on as before
+                logger.warning("durable: relay after reconnecting: %s", exc)
+                return
+            except Exception:
+                logger.exception("durable: relay after reconnecting failed; the relay thread goes on")
+                return
             if sent:
                 logger.warning("durable: the broker is back; the relay sent %d message(s) at once", sent)
 

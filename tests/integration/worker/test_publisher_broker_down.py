@@ -50,7 +50,7 @@ def silent() -> Iterator[str]:
 def make(url: str, broker: str, queue: str, **settings) -> Durable:
     app = Celery(f"down-{uuid.uuid4().hex[:6]}", broker=broker)
     app.conf.task_default_queue = queue
-    durable = Durable(app, url, upkeep=False, relay_after=120.0, **settings)
+    durable = Durable(app, url, **{"upkeep": False, "relay_after": 120.0, **settings})
     durable.workflow("ship").step(lambda order: order, name="pack")
     return durable
 
@@ -163,6 +163,37 @@ def test_after_a_reconnect_the_relay_resends_at_once_what_the_queue_cannot_hold(
     assert redis_client.llen(queue) == 6
     assert resend_lost(rt, app) == 0  # the queue holds one per run again: nothing more
     assert redis_client.llen(queue) == 6
+    redis_client.delete(queue)
+    durable.db.dispose()
+
+
+def test_the_second_pass_after_a_reconnect_resends_what_the_first_still_saw_in_flight(
+    pg_url, redis_client, monkeypatch
+):
+    """A message a consumer had taken when the broker went counts at the first pass, and is
+    gone by the next: the pass a few seconds later re-sends it."""
+    from durable_celery.worker import broker_reconnect
+
+    queue = f"down-{uuid.uuid4().hex[:8]}"
+    durable = make(pg_url, REDIS_URL, queue, upkeep=True)  # upkeep: this app's workers relay
+    run_ids = [durable.start("ship", {"order": n}) for n in range(3)]
+    assert durable.flush(timeout=10) and redis_client.llen(queue) == 3
+    sent: list[int] = []
+
+    def resend(rt, app):
+        sent.append(broker_reconnect.resend_lost.__wrapped__(rt, app))
+        if len(sent) == 1:  # between the passes, the messages turn out lost
+            redis_client.delete(queue)
+        return sent[-1]
+
+    resend.__wrapped__ = resend_lost  # type: ignore[attr-defined]
+    monkeypatch.setattr(broker_reconnect, "resend_lost", resend)
+    monkeypatch.setattr(broker_reconnect, "RECONNECT_PASSES", (0.0, 0.2))
+    thread = broker_reconnect.relay_after_reconnect(durable.app)
+    assert thread is not None
+    thread.join(20)
+    assert sent == [0, 3] and redis_client.llen(queue) == 3
+    assert published(durable, run_ids) == [True] * 3
     redis_client.delete(queue)
     durable.db.dispose()
 
