@@ -142,22 +142,25 @@ class Stack:
         return [(t["name"].rsplit(".", 1)[1], t["state"]) for t in self.run_tasks(run_id)]
 
 
-@pytest.fixture
-def stack(pg_url: str, tmp_path: Path) -> Iterator[Stack]:
+@pytest.fixture(params=["redis", "rabbitmq"])
+def stack(pg_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """Flower and a prefork worker sending events, on Redis and on RabbitMQ (a vhost of the
+    test session's own): the states Flower shows are the same on both."""
+    broker = REDIS_URL if request.param == "redis" else request.getfixturevalue("rabbitmq")
     (tmp_path / "flowerstates.py").write_text(APP)
     (tmp_path / "marks").mkdir()
     env = {name: os.environ[name] for name in ("PATH", "HOME") if name in os.environ}
     env.update(
         PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}",
         PYTHONUNBUFFERED="1",
-        FS_BROKER=REDIS_URL,
+        FS_BROKER=broker,
         FS_QUEUE=f"fs-{uuid.uuid4().hex[:8]}",
         FS_DB=pg_url,
         FS_MARKS=str(tmp_path / "marks"),
         FS_FLOWER_PORT=str(free_port()),
         FLOWER_UNAUTHENTICATED_API="true",  # Flower 2 answers its API only with this, or auth
     )
-    app = Celery("flowerstates", broker=REDIS_URL)
+    app = Celery("flowerstates", broker=broker)
     app.conf.task_default_queue = env["FS_QUEUE"]
     durable = Durable(app, pg_url, upkeep=False)
     define(durable, env["FS_MARKS"])
