@@ -56,6 +56,12 @@ BENCHES = (
         ("--finished", "20000", "--ready", "20000", "--claims", "300", "--rounds", "2"),
     ),
     Bench(
+        "flow",
+        "flow control: claims with 10,000 runs parked for a slot, rate-limited starts",
+        (),
+        ("--parked", "1000", "--other-keys", "100", "--claims", "200", "--starts", "100", "--rounds", "2"),
+    ),
+    Bench(
         "pool",
         "the pool-size table: runs/s and pool waits at pool_size 5/10/20/50",
         (),
@@ -91,7 +97,7 @@ def run(bench: Bench, quick: bool) -> tuple[int, list[str]]:
 )
 @click.option("--quick", is_flag=True, help="Small sizes: checks that every bench runs, not the targets.")
 def main(only: str, quick: bool) -> None:
-    """Every bench in turn (prefork, keys, prune, claims, pool), then their reports together."""
+    """Every bench in turn (prefork, keys, prune, claims, flow, pool), then their reports together."""
     chosen = [name.strip() for name in only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(NAMES))
     if unknown:

@@ -11,6 +11,7 @@ SCHEDULES               yes         yes          yes
 TRANSACTIONS            yes         yes          yes
 SKIP_LOCKED             yes         no           no
 MULTI_PROCESS           yes         yes          no
+FLOW_CONTROL            yes         yes          yes
 ======================  ==========  ===========  ======
 
 A ``Durable`` (or a ``testing.Fake``) may be told to claim fewer than its backend has; a call
@@ -35,7 +36,18 @@ class Capability(enum.Flag):
     TRANSACTIONS = enum.auto()  # start(connection=...): a run written in the caller's transaction
     SKIP_LOCKED = enum.auto()  # relays and sweeps of many workers share work without waiting
     MULTI_PROCESS = enum.auto()  # workers and producers in several processes share the store
-    ALL = IDEMPOTENCY_KEY | EVENTS | WAITS | CHILDREN | SCHEDULES | TRANSACTIONS | SKIP_LOCKED | MULTI_PROCESS
+    FLOW_CONTROL = enum.auto()  # concurrency=, throttle=, rate_limit= per key (core/flow.py)
+    ALL = (
+        IDEMPOTENCY_KEY
+        | EVENTS
+        | WAITS
+        | CHILDREN
+        | SCHEDULES
+        | TRANSACTIONS
+        | SKIP_LOCKED
+        | MULTI_PROCESS
+        | FLOW_CONTROL
+    )
 
 
 def of_backend(*, postgres: bool, memory: bool) -> Capability:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from .errors import InvalidDefinition, InvalidKey, InvalidStart, NotConfigured, UnknownWorkflow
 from .inputs import check_key
+from .limits import FlowLimit
 
 REUSE = ("after_close", "after_failure", "never")
 ON_DUPLICATE = ("use_existing", "error", "cancel_existing", "run_again")
@@ -135,6 +136,10 @@ class Workflow:
     queue: str | None = None
     # Extra metadata for every log line a step logs: a callable on the run input returning a dict.
     log_metadata: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
+    # Flow control per key (limits.py; decided by core/flow.py): given as dicts, kept as FlowLimit.
+    concurrency: Any = None
+    throttle: Any = None
+    rate_limit: Any = None
     steps: list[Step] = field(default_factory=list)
     # The registry of the Durable it was defined on (None: shared, or not yet bound).
     registry: Registry | None = field(default=None, repr=False)
@@ -164,6 +169,9 @@ class Workflow:
                 raise InvalidDefinition("debounce needs {'period': seconds[, 'timeout': seconds]}")
             _check_seconds("debounce period", self.debounce["period"])
             _check_seconds("debounce timeout", self.debounce.get("timeout"))
+        self.concurrency = FlowLimit.parse("concurrency", self.concurrency)
+        self.throttle = FlowLimit.parse("throttle", self.throttle)
+        self.rate_limit = FlowLimit.parse("rate_limit", self.rate_limit)
 
     # -- definition -------------------------------------------------------------------------
 
@@ -344,6 +352,12 @@ class Workflow:
         if key is None and self.idempotency == "required":
             raise InvalidStart(f"workflow {self.name!r} requires a key")
         return key
+
+    def flow_keys(self, data: dict[str, Any]) -> dict[str, str | None]:
+        """A new run's flow-control keys (``slot_key``, ``throttle_key``, ``rate_key``): None
+        where the workflow has no such limit; InvalidStart if a template needs a missing field."""
+        limits = {"slot_key": self.concurrency, "throttle_key": self.throttle, "rate_key": self.rate_limit}
+        return {col: None if lim is None else lim.key_for(data, self.name) for col, lim in limits.items()}
 
     def check_fits(self, data: Mapping[str, Any]) -> None:
         """Raise InvalidStart unless every step (and compensation) can be called with ``data``

@@ -62,6 +62,20 @@ class KeyTaken(DurableError):
         super().__init__(message or f"key is held by run {holder_id}")
 
 
+class RateLimited(DurableError):
+    """A start beyond a workflow's ``rate_limit`` for its key; nothing was written.
+    ``retry_after``: seconds until a start of that key would be accepted."""
+
+    def __init__(self, workflow: str, key: str, limit: int, period: float, retry_after: float) -> None:
+        self.workflow, self.key, self.limit, self.period = workflow, key, limit, period
+        self.retry_after = retry_after
+        shown = f" for {key!r}" if key else ""
+        super().__init__(
+            f"workflow {workflow!r} takes at most {limit} start(s) per {period:g}s{shown}; "
+            f"try again in {retry_after:.1f}s"
+        )
+
+
 class KeyContended(DurableError):
     """The key changed hands three times while one start ran; trying again is safe."""
 
@@ -202,6 +216,7 @@ __all__ = [
     "UnknownWorkflow",
     "KeyTaken",
     "KeyContended",
+    "RateLimited",
     "NotFinished",
     "NoKey",
     "RunNotFound",

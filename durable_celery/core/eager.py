@@ -15,6 +15,7 @@ from sqlalchemy import or_
 from ..errors import DurableError
 from ..store import queries
 from ..store.schema import runs
+from .flow import wake_slots_once
 from .sweeps import cancel_orphans_once, fail_overdue_once, wake_missed_once
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def run_due(engine: Engine, *, only: list[str] | None = None, max_steps: int = M
 def sweep(rt: Runtime) -> int:
     """One pass of the upkeep sweeps a worker makes: workflow timeouts, missed wake-ups,
     children of cancelled parents; returns how many runs they changed."""
-    changed = len(fail_overdue_once(rt)) + wake_missed_once(rt)
+    changed = len(fail_overdue_once(rt)) + wake_missed_once(rt) + wake_slots_once(rt)
     return changed + len(cancel_orphans_once(rt))
 
 

@@ -17,7 +17,7 @@ from ..errors import DatabaseUnavailable, DurableError, RunStopped, StepTimeout,
 from ..models import aware
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
 from ..store.db import Clock
-from . import continuation, outcomes
+from . import continuation, flow, outcomes
 from .children import fan_out
 from .context import RunContext, enter, leave
 from .control import after_commit
@@ -87,6 +87,7 @@ class Engine:
                     following = workflow.steps[row.step_index]
                     shown = events.started(workflow, following, row) if events is not None else None
                     result = self.run_claimed(workflow, following, row)
+                    self._free_slot(workflow, row, result)
                     if events is not None:
                         events.finished(shown, workflow, following, result)
                 return first
@@ -109,14 +110,26 @@ class Engine:
     ) -> MessageResult:
         """``execute``, also giving the exception of an attempt that failed."""
         node = node or f"{self.node}:{threading.get_ident()}"
-        with self.db.single() as conn:
-            row = queries.claim_run(
-                self.db, conn, run_id, step.index, node, workflow.timeout, compensate=compensate
-            )
+        if flow.limited(workflow):  # a throttle or concurrency limit decides the claim (flow.py)
+            row = flow.claim(self.rt, workflow, step, run_id, node, compensate)
+        else:
+            with self.db.single() as conn:
+                row = queries.claim_run(
+                    self.db, conn, run_id, step.index, node, workflow.timeout, compensate=compensate
+                )
         if row is None:
             log.debug("durable: dropped message for run %s step %s", run_id, step.name)
             return MessageResult("dropped")
-        return self.run_claimed(workflow, step, row, compensate)
+        result = self.run_claimed(workflow, step, row, compensate)
+        if not compensate:
+            self._free_slot(workflow, row, result)
+        return result
+
+    def _free_slot(self, workflow: Workflow, row: Any, result: MessageResult) -> None:
+        """The step's concurrency slot is free (unless its run went on inline): wake the run
+        parked longest for it."""
+        if workflow.concurrency is not None and result.continued is None:
+            flow.release(self.rt, workflow, row.slot_key)
 
     def run_claimed(
         self, workflow: Workflow, step: Step, row: Any, compensate: bool = False
@@ -218,7 +231,9 @@ class Engine:
         worker = process_node(pid)
         if compensate:
             return self._record_compensation(workflow, step, row, outcome, started, worker)
-        return self._record(workflow, step, row, ctx, outcome, started, worker)
+        recorded = self._record(workflow, step, row, ctx, outcome, started, worker)
+        flow.release(self.rt, workflow, row.slot_key)
+        return recorded
 
     def hand_back_lost(self, run_id: str, pid: int, reason: str) -> str:
         """A pool process that held this run is gone, stopped by its worker (a cold shutdown):
@@ -233,6 +248,9 @@ class Engine:
                 details = {"step": row.step_name, "node": process_node(pid), "reason": reason}
                 activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
         log.warning("durable: run %s step %s handed back: %s", row.id, row.step_name, reason)
+        workflow = self.rt.registry.workflows.get(row.workflow)
+        if done and workflow is not None:
+            flow.release(self.rt, workflow, row.slot_key)
         return "handed_back" if done else "dropped"
 
     # -- results --------------------------------------------------------------------------

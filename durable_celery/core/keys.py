@@ -20,6 +20,7 @@ from ..errors import DurableError, KeyContended, KeyTaken
 from ..inputs import same_json
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
 from ..store.schema import UNFINISHED, runs
+from .flow import admit_start_txn
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -98,6 +99,7 @@ class KeyDecision:
 
     def _insert_new(self, **changes: Any) -> Decision:
         run = {**self.run, **changes}
+        admit_start_txn(self.rt, self.conn, self.workflow, run)  # RateLimited past its rate_limit
         queries.insert_run_txn(self.db, self.conn, run)
         publish: list[Dispatch] = [(self.name, run["id"], 0, 1, self.key)] if run["published"] else []
         return Decision(run["id"], created=True, publish=publish)
@@ -342,7 +344,7 @@ def start_run(
     can (PostgreSQL), else the full decision. ``fold=False`` (a rerun): a debounced holder not
     yet claimed answers by ``policy`` too, instead of taking this start's input."""
     db = rt.db
-    if not db.is_postgres:
+    if not db.is_postgres or workflow.rate_limit is not None:  # a rate limit counts under a lock
         with db.begin() as conn:
             return decide_start_txn(rt, conn, workflow, run, policy, fold=fold)
     with db.single() as conn:
@@ -388,6 +390,7 @@ def decide_start_txn(
 ) -> Decision:
     """Insert a new run, or answer from the holder of its key; the caller commits."""
     if run["key"] is None:
+        admit_start_txn(rt, conn, workflow, run)
         queries.insert_run_txn(rt.db, conn, run)
         return _created(workflow, run)
     decision = KeyDecision(rt, conn, workflow, run, policy, fold).decide(key_seen_held)

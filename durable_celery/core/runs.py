@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -12,19 +13,33 @@ from ..settings import Settings
 from ..store.db import Clock
 from .queues import queue_of
 
+_ids = threading.Lock()
+_last_id = (0, 0)  # (milliseconds, the 74 random bits) of this process's newest id
+_RANDOM = 1 << 74
+
 
 def new_run_id() -> str:
-    """A new run id: a time-ordered UUID (RFC 9562 version 7) as text.
+    """A new run id: a time-ordered UUID (RFC 9562 version 7) as text, growing within a process.
 
     Ids that grow with time put new runs at the right edge of the primary key's index, where its
-    pages stay cached: starts and claims of recent runs do not slow down as history grows.
+    pages stay cached: starts and claims of recent runs do not slow down as history grows. Ids made
+    in the same millisecond by one process follow each other (the random part counts up, RFC 9562
+    "monotonic random"), so runs started at the same recorded time keep their start order.
     """
-    make = getattr(uuid, "uuid7", None)  # Python 3.14+
+    make = getattr(uuid, "uuid7", None)  # Python 3.14+ (monotonic within a process too)
     if make is not None:
         return str(make())
-    millis = time.time_ns() // 1_000_000
-    rand = int.from_bytes(os.urandom(10), "big")  # 80 bits; 74 are used
-    value = (millis & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | (rand >> 68) << 64 | 0b10 << 62
+    global _last_id
+    with _ids:
+        millis = time.time_ns() // 1_000_000
+        rand = int.from_bytes(os.urandom(10), "big") >> 6  # 74 bits
+        last_millis, last_rand = _last_id
+        if millis <= last_millis:
+            millis, rand = last_millis, last_rand + 1
+            if rand >= _RANDOM:
+                millis, rand = millis + 1, 0
+        _last_id = (millis, rand)
+    value = (millis & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | (rand >> 62) << 64 | 0b10 << 62
     value |= rand & 0x3FFF_FFFF_FFFF_FFFF
     return str(uuid.UUID(int=value))
 
@@ -46,6 +61,7 @@ def new_run(default_queue: str, wf: Workflow, data: dict[str, Any], key: str | N
         "published": True,
         "queue": queue_of(default_queue, wf, 0),
     }
+    run.update((column, value) for column, value in wf.flow_keys(data).items() if value is not None)
     if wf.timeout and not (wf.debounce and key is not None):
         run["deadline_at"] = Clock(wf.timeout)
     if wf.debounce and key is not None:

@@ -66,3 +66,6 @@ class Starter:
                 self.rt.require(Capability.EVENTS, "start", "on_duplicate=SendEvent", wf.name)
         if connection is not None:
             self.rt.require(Capability.TRANSACTIONS, "start", "connection=", wf.name)
+        for kind in ("concurrency", "throttle", "rate_limit"):
+            if getattr(wf, kind) is not None:
+                self.rt.require(Capability.FLOW_CONTROL, "start", f"{kind}=", wf.name)

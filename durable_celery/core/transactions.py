@@ -69,7 +69,7 @@ def start_in_callers_transaction(
     conn, session = callers_connection(connection)
     if not _same_database(conn, rt):
         raise InvalidArgument("connection= must be on the database Durable uses")
-    decision = decide_start_txn(rt, conn, workflow, run, policy)
+    decision = _decide(rt, conn, workflow, run, policy)
     error, decision.error = decision.error, None
     if session is not None:
         _after_outcome(session, lambda: after_commit(rt, decision))
@@ -92,12 +92,24 @@ def _start_joined(
     with joined.connect() as conn:
         if not _same_database(conn, rt):
             raise InvalidArgument("connection= must be on the database Durable uses")
-        decision = decide_start_txn(rt, conn, workflow, run, policy)
+        decision = _decide(rt, conn, workflow, run, policy)
     error, decision.error = decision.error, None
     joined.on_commit(lambda: after_commit(rt, decision))
     if error is not None:
         raise error
     return decision.run_id
+
+
+def _decide(
+    rt: Runtime, conn: Connection, workflow: Workflow, run: dict[str, Any], policy: str | SendEvent
+) -> Any:
+    """The start's decision on the caller's connection. Under a rate limit it runs in a
+    savepoint: a refusal (RateLimited) undoes what it wrote (the key row) and leaves the
+    caller's transaction usable."""
+    if workflow.rate_limit is None:
+        return decide_start_txn(rt, conn, workflow, run, policy)
+    with conn.begin_nested():
+        return decide_start_txn(rt, conn, workflow, run, policy)
 
 
 def _same_database(conn: Connection, rt: Runtime) -> bool:

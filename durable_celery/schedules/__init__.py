@@ -448,6 +448,8 @@ def trigger(rt: Runtime, app: Any, name: str) -> str:
     )
     if result["outcome"] == "skipped":
         raise KeyTaken(result["run_id"])
+    if result["outcome"] == "rate_limited":
+        raise result["refusal"]
     if result["outcome"] == "error":
         raise InvalidArgument(f"schedule {current.name!r} could not start: {result['error']}")
     if result["outcome"] == "disabled":

@@ -19,7 +19,7 @@ from ..core.control import after_commit, cancel
 from ..core.keys import start_run
 from ..core.runs import new_run
 from ..definition import SendEvent, Workflow
-from ..errors import DurableError, KeyTaken, UnknownWorkflow
+from ..errors import DurableError, KeyTaken, RateLimited, UnknownWorkflow
 from ..inputs import check_input
 from ..models import aware
 from ..store import activity_rows, node_rows, queries, schedule_rows
@@ -166,6 +166,8 @@ def start_fire(
         after_commit(rt, decision)
     except KeyTaken as exc:
         return {"outcome": "skipped", "run_id": exc.holder_id}
+    except RateLimited as exc:  # the workflow's rate_limit: this fire is not a failure
+        return {"outcome": "rate_limited", "run_id": None, "error": str(exc), "refusal": exc}
     except (DurableError, ValueError) as exc:
         return {"outcome": "error", "run_id": None, "error": f"{type(exc).__name__}: {exc}"}
     return {"outcome": "started" if decision.created else "duplicate", "run_id": decision.run_id}

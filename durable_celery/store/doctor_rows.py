@@ -55,6 +55,7 @@ def unwakeable_waiting(conn: Connection, limit: int) -> Sequence[Any]:
             runs.c.status == "waiting",
             runs.c.locked_by.is_(None),
             runs.c.due_at.is_(None),
+            runs.c.flow_wait.is_(None),  # parked for a concurrency slot (flow.py): a slot wakes it
             runs.c.wait_until.is_(None),
             or_(runs.c.wait_name.is_(None), runs.c.wait_name.startswith(SLEEP_PREFIX, autoescape=True)),
             ~_behind_unfinished_holder(),
@@ -74,6 +75,7 @@ def missed_wakeups(conn: Connection, limit: int) -> Sequence[Any]:
             runs.c.status == "waiting",
             runs.c.locked_by.is_(None),
             runs.c.due_at.is_(None),
+            runs.c.flow_wait.is_(None),  # parked for a concurrency slot (flow.py): a slot wakes it
             runs.c.wait_name.is_not(None),
             _woken_by_now(),
         )
@@ -92,6 +94,7 @@ def wake_missed_txn(db: Database, conn: Connection, run_id: str) -> bool:
             runs.c.status == "waiting",
             runs.c.locked_by.is_(None),
             runs.c.due_at.is_(None),
+            runs.c.flow_wait.is_(None),  # parked for a concurrency slot (flow.py): a slot wakes it
             _woken_by_now(),
         )
         .values(due_at=db.now(), published=False)

@@ -56,6 +56,10 @@ def move_on(conn: Connection, revision: str, up: bool) -> bool:
     version table is the one ``Durable.migrate()`` keeps, so either tool can follow the other."""
     order = [rev for rev, _ in revisions()]
     current = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+    # End SQLAlchemy's implicit transaction of that read (on Django's lent connection the
+    # commit is Django's, a no-op here), so Alembic begins and tracks its own: a revision's
+    # autocommit_block (indexes built CONCURRENTLY) needs that, in a non-atomic migration.
+    conn.commit()
     at = order.index(current) if current in order else -1
     target = order.index(revision)
     config = Config()

@@ -54,6 +54,7 @@ _CLAIM_COLUMNS = (
     runs.c.losses,
     runs.c.wait_name,
     runs.c.trace_parent,
+    runs.c.slot_key,  # the concurrency slot the step holds, freed when it ends (flow.py)
 )
 
 _HOLDS_KEY = select(keys.c.holder_id).where(keys.c.holder_id == runs.c.id).exists().label("holds_key")

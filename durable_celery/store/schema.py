@@ -61,6 +61,34 @@ def _goes_with_run(column: str, ondelete: str, deferred: bool = False) -> Foreig
     ).ddl_if(dialect="sqlite")
 
 
+# name -> (columns, condition): flow control's partial indexes on durable_runs (revision 0006).
+FLOW_INDEX_SPECS = {
+    "ix_durable_runs_slot_held": (("workflow", "slot_key"), "slot_key IS NOT NULL AND locked_by IS NOT NULL"),
+    "ix_durable_runs_slot_idle": (
+        ("workflow", "slot_key", "created_at"),
+        "slot_key IS NOT NULL AND flow_wait IS NULL AND locked_by IS NULL AND finished_at IS NULL",
+    ),
+    "ix_durable_runs_slot_parked": (
+        ("workflow", "slot_key", "created_at"),
+        "flow_wait = 'slot' AND finished_at IS NULL",
+    ),
+    "ix_durable_runs_throttle_begun": (
+        ("workflow", "throttle_key", "started_at"),
+        "throttle_key IS NOT NULL AND started_at IS NOT NULL",
+    ),
+    "ix_durable_runs_throttle_waiting": (
+        ("workflow", "throttle_key", "created_at"),
+        "throttle_key IS NOT NULL AND started_at IS NULL AND finished_at IS NULL",
+    ),
+    "ix_durable_runs_rate": (("workflow", "rate_key", "created_at"), "rate_key IS NOT NULL"),
+    "ix_durable_runs_flow_wait": (("flow_wait", "workflow"), "flow_wait IS NOT NULL AND finished_at IS NULL"),
+}
+FLOW_INDEXES = [
+    Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
+    for name, (columns, where) in FLOW_INDEX_SPECS.items()
+]
+
+
 runs = Table(
     "durable_runs",
     metadata,
@@ -110,6 +138,13 @@ runs = Table(
     Column("wait_until", Timestamp),
     # How many times a worker lost the run (lock gone stale) during the current step.
     Column("losses", Integer, nullable=False, server_default=text("0")),
+    # Flow control (core/flow.py): the run's concurrency, throttle and rate-limit keys ('' for a
+    # limit on the whole workflow, NULL for none), and what it is parked for: 'slot' (due_at
+    # NULL until a slot frees) or 'throttle' (due_at when the window may let it begin).
+    Column("slot_key", String(255)),
+    Column("throttle_key", String(255)),
+    Column("rate_key", String(255)),
+    Column("flow_wait", String(16)),
     Column("created_at", Timestamp, nullable=False),
     Column("started_at", Timestamp),
     Column("finished_at", Timestamp),
@@ -149,6 +184,12 @@ runs = Table(
         postgresql_where=text("parent_id IS NOT NULL"),
         sqlite_where=text("parent_id IS NOT NULL"),
     ),
+    # Flow control (core/flow.py), each index over the runs of limited workflows only, so every
+    # count a decision makes is bounded however many runs wait: a key's steps holding a slot,
+    # its unparked runs not running (the due ones are in line), its runs parked for a slot, its
+    # begins in the throttle window, its runs not yet begun, its starts in the rate-limit window,
+    # and every parked run (metrics, the upkeep's pass).
+    *FLOW_INDEXES,
     Index(
         "ix_durable_runs_locked",
         "heartbeat_at",

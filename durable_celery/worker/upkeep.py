@@ -33,6 +33,7 @@ from celery.worker import state as worker_state
 from .. import signals
 from ..capabilities import Capability
 from ..core import prune, queues
+from ..core.flow import wake_slots_once
 from ..core.sweeps import (
     SAMPLE_INTERVAL,
     cancel_orphans_once,
@@ -149,6 +150,7 @@ class Upkeep:
                     self._guarded(partial(sweep_stale_once, rt))
                 self._guarded(partial(cancel_orphans_once, rt))
                 self._guarded(partial(wake_missed_once, rt))
+                self._guarded(partial(wake_slots_once, rt))
                 self._guarded(partial(restore_schedules_once, rt, self.app))
 
     def _housekeeping_loop(self) -> None:

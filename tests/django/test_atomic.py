@@ -255,3 +255,29 @@ def test_the_explicit_form_outside_atomic_is_refused_and_writes_nothing(durable)
     with pytest.raises(InvalidArgument, match="transaction.atomic"):
         fulfil.start({"order_id": 1}, key=key, connection=django_connection())
     assert durable.list_runs(key=key) == []
+
+
+def test_a_rate_limited_start_inside_atomic_writes_nothing_and_leaves_the_transaction_usable(durable):
+    from django.db import transaction
+
+    from durable_celery import RateLimited
+    from tests.django.shop.models import Order
+
+    name = f"remind_{uuid.uuid4().hex[:8]}"
+    remind = durable.workflow(name, key="o:{order_id}", rate_limit={"limit": 1, "period": 3600})
+
+    @remind.step
+    def send(order_id):
+        return order_id
+
+    with transaction.atomic():
+        order, other = _order(), _order("other")
+        first = remind.start({"order_id": order.pk})
+        with pytest.raises(RateLimited) as refused:
+            remind.start({"order_id": other.pk})
+        assert refused.value.retry_after > 3500
+        order.item = "still usable"
+        order.save(update_fields=["item"])
+    assert Order.objects.get(pk=order.pk).item == "still usable"
+    assert [run.id for run in durable.list_runs(workflow=name)] == [first]
+    assert durable.get_run(first).holds_key

@@ -62,6 +62,7 @@ PUBLIC = [
     "NoKey",
     "NotConfigured",
     "NotFinished",
+    "RateLimited",
     "RunNotFound",
     "RunStopped",
     "ScheduleNotFound",

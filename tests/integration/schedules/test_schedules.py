@@ -17,6 +17,7 @@ from durable_celery import (
     InvalidArgument,
     InvalidKey,
     KeyTaken,
+    RateLimited,
     ScheduleNotFound,
     UnknownWorkflow,
     Unsupported,
@@ -83,6 +84,18 @@ def test_error_policy_fires_are_skipped_and_not_counted(durable):
     state = durable.get_schedule("job:k")
     assert (state.last_outcome, state.failures, state.enabled) == ("skipped", 0, True)
     assert len(durable.list_runs()) == 1
+
+
+def test_fires_past_the_workflows_rate_limit_are_refused_and_not_counted(durable):
+    wf = define(durable, rate_limit={"limit": 1, "period": 3600})
+    configure(durable, often=durable.beat_entry(wf, "* * * * *", name="often"))
+    first = durable.trigger_schedule("often")
+    for _ in range(6):  # more than schedule_max_failures: a rate limit never disables
+        with pytest.raises(RateLimited):
+            durable.trigger_schedule("often")
+    state = durable.get_schedule("often")
+    assert (state.last_outcome, state.failures, state.enabled) == ("rate_limited", 0, True)
+    assert [run.id for run in durable.list_runs()] == [first]
 
 
 def test_five_failures_in_a_row_disable_and_a_success_resets(durable):

@@ -1,0 +1,224 @@
+"""Flow control per key, decided by the database: concurrency slots, throttle, rate limit.
+
+A workflow's options (``limits.FlowLimit``) give each new run up to three keys (``runs.slot_key``,
+``throttle_key``, ``rate_key``; ``''`` when a limit covers the whole workflow). Each decision
+takes its key's lock (a PostgreSQL advisory lock for the transaction; SQLite's one writer) and
+counts the key's runs, bounded by the limit, over partial indexes:
+
+- **rate_limit**, at the start, after the key decision chose to create a run: at most ``limit``
+  runs created per ``period``; beyond it ``RateLimited`` and nothing written.
+- **throttle**, at the claim of a run's first step: at most ``limit`` runs begin per ``period``.
+  A run that may not begin yet is parked (``flow_wait='throttle'``) due when the window should
+  let it, and looks again then; runs waiting to begin go in start order.
+- **concurrency**, at every claim of a step: a step may run while fewer than ``limit`` steps of
+  its key run and wait ahead of it in start order. A refused run is parked (``flow_wait='slot'``,
+  not due, holding no worker and no connection) until a slot frees: whoever frees one (the
+  step's end, ``release``) or parks wakes the runs parked longest, and every worker's upkeep
+  (``wake_slots_once``) fills free slots a crash left. A step holds its slot while its run is
+  locked, so a dead worker's slot comes back when its lock goes stale (or at once, WorkerLost).
+  Compensations neither wait for nor hold a slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..errors import RateLimited
+from ..models import aware
+from ..store import activity_rows, flow_rows, queries
+from ..store.flow_rows import SLOT, THROTTLE
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+    from ..definition import Step, Workflow
+    from ..limits import FlowLimit
+    from .runtime import Runtime
+
+log = logging.getLogger("durable_celery")
+
+# How far the throttle's line is counted to place a parked run's next look: 20 windows' worth
+# of runs, at most this many (a run further back looks again then, and is placed again).
+LINE_BOUND = 1000
+LINE_WINDOWS = 20
+# A run the throttle parks looks again no sooner than this (seconds, or the period if shorter).
+MIN_RECHECK = 0.25
+# Keys with parked runs the upkeep looks at per pass.
+KEYS_PER_PASS = 200
+
+
+def limited(workflow: Workflow) -> bool:
+    """Does a claim of this workflow's steps go through flow control?"""
+    return workflow.concurrency is not None or workflow.throttle is not None
+
+
+# -- starts: rate_limit -------------------------------------------------------------------------
+
+
+def admit_start_txn(rt: Runtime, conn: Connection, workflow: Workflow, run: dict[str, Any]) -> None:
+    """Inside the start's transaction, before its run is written: RateLimited if the run's rate
+    key had ``limit`` starts in the last ``period`` seconds. The key's lock is held until the
+    transaction ends, so racing starts are counted one after another."""
+    rate: FlowLimit | None = workflow.rate_limit
+    key = run.get("rate_key")
+    if rate is None or key is None:
+        return
+    assert rate.period is not None
+    db = rt.db
+    flow_rows.lock_key_txn(conn, "rate", workflow.name or "", key)
+    full_since = flow_rows.window_full_since_txn(db, conn, workflow.name or "", key, rate.period, rate.limit)
+    if full_since is None:
+        return
+    oldest = aware(full_since) or db.utcnow()
+    retry_after = max((oldest + timedelta(seconds=rate.period) - db.utcnow()).total_seconds(), 0.0)
+    raise RateLimited(workflow.name or "", key, rate.limit, rate.period, round(retry_after, 3))
+
+
+# -- claims: throttle and concurrency -----------------------------------------------------------
+
+
+def claim(rt: Runtime, workflow: Workflow, step: Step, run_id: str, node: str, compensate: bool) -> Any:
+    """The claim of a step of a workflow with a throttle or concurrency limit: the run's row as
+    ``queries.claim_run`` returns it, or None (not claimable, or parked by its limit)."""
+    db = rt.db
+    woken: list[Any] = []
+    with db.begin() as conn:
+        run = flow_rows.flow_of_run(db, conn, run_id)
+        if run is None:
+            return None
+        # Compensations run regardless of the limits; the throttle counts a run's first begin.
+        throttle = workflow.throttle if run.throttle_key is not None and run.started_at is None else None
+        slots = workflow.concurrency if run.slot_key is not None else None
+        if compensate:
+            throttle = slots = None
+        if throttle is not None:
+            flow_rows.lock_key_txn(conn, THROTTLE, run.workflow, run.throttle_key)
+        if slots is not None:
+            flow_rows.lock_key_txn(conn, SLOT, run.workflow, run.slot_key)
+        if throttle is not None and _parked_by_throttle(rt, conn, throttle, run, step.index):
+            return None
+        if slots is not None and _parked_for_slot(rt, conn, slots, run, step.index, woken):
+            row = None
+        else:
+            row = queries.claim_run(db, conn, run_id, step.index, node, workflow.timeout, compensate)
+        if row is not None and run.flow_wait is not None:
+            flow_rows.clear_wait_txn(db, conn, run_id)
+    _send(rt, woken)
+    return row
+
+
+def _parked_by_throttle(
+    rt: Runtime, conn: Connection, throttle: FlowLimit, run: Any, step_index: int
+) -> bool:
+    """True if the throttle's window (or the line ahead) keeps ``run`` from beginning now; it
+    is then parked, due when it should look again."""
+    until = _throttled_until(rt, conn, throttle, run)
+    if until is None:
+        return False
+    if flow_rows.park_txn(rt.db, conn, run.id, step_index, THROTTLE, until) and run.flow_wait is None:
+        details = {"key": run.throttle_key, "until": until.isoformat(), **_shown(throttle)}
+        _note(rt, conn, run, "throttled", details)
+    return True
+
+
+def _parked_for_slot(
+    rt: Runtime, conn: Connection, slots: FlowLimit, run: Any, step_index: int, woken: list[Any]
+) -> bool:
+    """True if every slot of ``run``'s key is in use or promised to runs started before it; it
+    is then parked, and runs parked longer take any slot that is free (into ``woken``)."""
+    used = flow_rows.slots_in_use_txn(rt.db, conn, run.workflow, run.slot_key, slots.limit)
+    ahead = flow_rows.slot_line_ahead_txn(rt.db, conn, run, slots.limit)
+    if used + ahead < slots.limit:
+        return False
+    if flow_rows.park_txn(rt.db, conn, run.id, step_index, SLOT, None):
+        if run.flow_wait is None:
+            _note(rt, conn, run, "slot_wait", {"key": run.slot_key, "in_use": used, **_shown(slots)})
+        woken.extend(_fill(rt, conn, run.workflow, run.slot_key, slots.limit))
+    return True
+
+
+def _throttled_until(rt: Runtime, conn: Connection, throttle: FlowLimit, run: Any) -> datetime | None:
+    """None if ``run`` may begin now; else when it should look again: when the window frees
+    the place it holds in the line (runs started before it go first)."""
+    db, limit, period = rt.db, throttle.limit, throttle.period or 0.0
+    begun = flow_rows.begins_in_window_txn(db, conn, run.workflow, run.throttle_key, period, limit)
+    ahead = flow_rows.throttle_line_ahead_txn(db, conn, run, min(LINE_BOUND, LINE_WINDOWS * limit))
+    if len(begun) + ahead < limit:
+        return None
+    now = db.utcnow()
+    # When each of the window's places frees, soonest first: the free ones now, the others
+    # one period after the begin that holds them.
+    frees = [now] * (limit - len(begun)) + [
+        (aware(at) or now) + timedelta(seconds=period) for at in reversed(begun)
+    ]
+    place = ahead  # the runs ahead take the places that free before this run's
+    until = frees[place % limit] + timedelta(seconds=period * (place // limit))
+    return max(until, now + timedelta(seconds=min(MIN_RECHECK, period)))
+
+
+# -- slots coming free --------------------------------------------------------------------------
+
+
+def release(rt: Runtime, workflow: Workflow, slot_key: str | None) -> None:
+    """A step of a run with ``slot_key`` ended (or was handed back): wake the runs parked
+    longest for the slots now free."""
+    limit = workflow.concurrency
+    if limit is None or slot_key is None:
+        return
+    with rt.db.begin() as conn:
+        flow_rows.lock_key_txn(conn, SLOT, workflow.name or "", slot_key)
+        woken = _fill(rt, conn, workflow.name or "", slot_key, limit.limit)
+    _send(rt, woken)
+
+
+def wake_slots_once(rt: Runtime) -> int:
+    """Upkeep: for each key with runs parked for a slot, wake as many as its free slots (a slot
+    freed by a crashed worker, or a wake-up lost between commit and send). Runs of a workflow
+    defined here without a concurrency limit any more (a deploy removed it) are all woken.
+    Returns how many runs it woke."""
+    with rt.db.engine.connect() as conn:
+        parked = flow_rows.parked_slot_keys(conn, KEYS_PER_PASS)
+    woken = 0
+    for name, slot_key in parked:
+        workflow = rt.registry.workflows.get(name)
+        if workflow is None:
+            continue  # defined on other nodes only: theirs to wake
+        with rt.db.begin() as conn:
+            flow_rows.lock_key_txn(conn, SLOT, name, slot_key)
+            if workflow.concurrency is None:
+                rows = flow_rows.wake_parked_txn(rt.db, conn, name, slot_key, LINE_BOUND)
+            else:
+                rows = _fill(rt, conn, name, slot_key, workflow.concurrency.limit)
+        _send(rt, rows)
+        woken += len(rows)
+    if woken:
+        log.info("durable: woke %d run(s) parked for a concurrency slot", woken)
+    return woken
+
+
+def _fill(rt: Runtime, conn: Connection, workflow: str, slot_key: str, limit: int) -> list[Any]:
+    """Under the key's lock: wake the runs parked longest, as many as the slots neither in use
+    nor promised to a run already due."""
+    db = rt.db
+    used = flow_rows.slots_in_use_txn(rt.db, conn, workflow, slot_key, limit)
+    due = flow_rows.due_unparked_txn(db, conn, workflow, slot_key, limit)
+    free = limit - used - due
+    return flow_rows.wake_parked_txn(db, conn, workflow, slot_key, free) if free > 0 else []
+
+
+def _send(rt: Runtime, woken: list[Any]) -> None:
+    """After commit: the woken runs' messages (the relay re-sends any this misses)."""
+    for row in woken:
+        rt.outbox.send_named(row.workflow, row.id, row.step_index, row.attempt, row.key, soon=True)
+
+
+def _note(rt: Runtime, conn: Connection, run: Any, kind: str, details: dict[str, Any]) -> None:
+    """An activity entry the first time a run is parked by its limit (not at every look)."""
+    activity_rows.record_txn(rt.db, conn, kind, run.id, run.workflow, None, details)
+
+
+def _shown(limit: FlowLimit) -> dict[str, Any]:
+    """The limit's figures for an activity entry (its key template is the workflow's)."""
+    return {"limit": limit.limit, **({"period": limit.period} if limit.period is not None else {})}

@@ -1,0 +1,268 @@
+"""Statements of flow control (core/flow.py): a key's lock, its slots and line, its throttle and
+rate-limit windows, parking and waking runs (the reads for people are in flow_reads.py).
+
+Every count is bounded (``LIMIT``) by what the decision needs, over a partial index of the key's
+runs: a claim costs the same with 10 or 10,000 runs waiting behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, DateTime, and_, bindparam, func, or_, select, text, update
+
+from .db import Clock, Database
+from .queries import CLAIMABLE
+from .queue_rows import paused_exists
+from .schema import runs
+
+SLOT = "slot"
+THROTTLE = "throttle"
+# Columns a woken run's message needs.
+_WOKEN = (runs.c.id, runs.c.workflow, runs.c.step_index, runs.c.attempt, runs.c.key)
+_TIME = DateTime(timezone=True)
+
+# Each statement is built once per Database (``db.statement``) and bound per call: a claim under
+# a limit makes several, and building them would cost more than running them.
+
+
+def _execute(
+    db: Database, conn: Connection, name: str, build: Callable[[], Any], params: dict[str, Any]
+) -> Any:
+    clocks = {n: v for n, v in params.items() if isinstance(v, Clock)}
+    values = {n: v for n, v in params.items() if not isinstance(v, Clock)} | db.clock_params(clocks)
+    return conn.execute(db.statement(("flow", name), build), values)
+
+
+def _count(
+    db: Database, conn: Connection, name: str, where: Callable[[], list[Any]], params: dict[str, Any]
+) -> int:
+    """How many rows match, counting at most ``params['p_bound']``."""
+
+    def build() -> Any:
+        inner = select(runs.c.id).where(*where()).limit(bindparam("p_bound")).subquery()
+        return select(func.count()).select_from(inner)
+
+    return int(_execute(db, conn, name, build, params).scalar_one())
+
+
+def lock_key_txn(conn: Connection, kind: str, workflow: str, key: str) -> None:
+    """Serialise the decisions of one flow key until the transaction ends: on PostgreSQL a
+    transaction-level advisory lock on the key's hash (two keys sharing a hash only wait on
+    each other); SQLite's one writer already serialises them."""
+    if conn.dialect.name != "postgresql":
+        return
+    conn.execute(_LOCK, {"scope": f"durable:{kind}:{workflow}:{key}"})
+
+
+_LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:scope, 0))")
+
+
+def flow_of_run(db: Database, conn: Connection, run_id: str) -> Any:
+    """The run's flow columns and start order, or None."""
+
+    def build() -> Any:
+        columns = ("id", "workflow", "slot_key", "throttle_key", "started_at", "created_at", "flow_wait")
+        return select(*(runs.c[c] for c in columns)).where(runs.c.id == bindparam("p_id"))
+
+    return _execute(db, conn, "of_run", build, {"p_id": run_id}).first()
+
+
+def _before() -> list[Any]:
+    """Started before the run ``p_id`` created at ``p_created`` (start order: created_at, then id)."""
+    created: Any = bindparam("p_created", type_=_TIME)
+    run_id: Any = bindparam("p_id")
+    return [
+        runs.c.created_at <= created,
+        or_(runs.c.created_at < created, runs.c.id < run_id),
+        runs.c.id != run_id,
+    ]
+
+
+# The conditions below repeat those of the partial indexes (schema.FLOW_INDEX_SPECS), so the
+# planner uses them.
+
+
+def _of_key(column: str) -> list[Any]:
+    return [runs.c.workflow == bindparam("p_wf"), runs.c[column] == bindparam("p_key")]
+
+
+def _holding_slot() -> Any:
+    """A step of the run executes (a compensation holds no slot)."""
+    return and_(runs.c.status == "running", runs.c.locked_by.is_not(None))
+
+
+def _slot_held() -> list[Any]:
+    """Steps of the key executing (a compensation holds no slot)."""
+    return [*_of_key("slot_key"), runs.c.locked_by.is_not(None), runs.c.status == "running"]
+
+
+def _slot_idle(db: Database) -> list[Any]:
+    """Unparked runs of the key due for a step and not running: their messages are on the way."""
+    return [
+        *_of_key("slot_key"),
+        runs.c.flow_wait.is_(None),
+        runs.c.locked_by.is_(None),
+        runs.c.finished_at.is_(None),
+        runs.c.status.in_(CLAIMABLE),
+        runs.c.due_at <= db.clock_expression("p_now", Clock()),
+    ]
+
+
+def _slot_parked() -> list[Any]:
+    return [*_of_key("slot_key"), runs.c.flow_wait == SLOT, runs.c.finished_at.is_(None)]
+
+
+def _key(workflow: str, key: str, bound: int, **more: Any) -> dict[str, Any]:
+    return {"p_wf": workflow, "p_key": key, "p_bound": bound, **more}
+
+
+def slots_in_use_txn(db: Database, conn: Connection, workflow: str, key: str, bound: int) -> int:
+    """Steps of the key's runs executing now, counted up to ``bound``."""
+    return _count(db, conn, "held", _slot_held, _key(workflow, key, bound))
+
+
+def slot_line_ahead_txn(db: Database, conn: Connection, run: Any, bound: int) -> int:
+    """Runs of ``run``'s slot key started before it and waiting for a slot (parked, or due and
+    not yet claimed), up to ``bound`` of each."""
+    params = _key(run.workflow, run.slot_key, bound, p_created=run.created_at, p_id=run.id)
+    parked = _count(db, conn, "parked_before", lambda: [*_slot_parked(), *_before()], params)
+    params["p_now"] = Clock()
+    return parked + _count(db, conn, "idle_before", lambda: [*_slot_idle(db), *_before()], params)
+
+
+def due_unparked_txn(db: Database, conn: Connection, workflow: str, key: str, bound: int) -> int:
+    """Runs of the key due for a step and not parked (their messages are on the way), up to
+    ``bound``: they take free slots before any parked run is woken."""
+    return _count(db, conn, "idle", lambda: _slot_idle(db), _key(workflow, key, bound, p_now=Clock()))
+
+
+def wake_parked_txn(db: Database, conn: Connection, workflow: str, key: str, count: int) -> list[Any]:
+    """Make the ``count`` runs parked longest for a slot of the key due now (their messages
+    are sent after commit); returns them."""
+
+    def oldest() -> Any:
+        return (
+            select(runs.c.id)
+            .where(*_slot_parked())
+            .order_by(runs.c.created_at, runs.c.id)
+            .limit(bindparam("p_bound"))
+        )
+
+    ids = [row.id for row in _execute(db, conn, "parked_oldest", oldest, _key(workflow, key, count))]
+    if not ids:
+        return []
+    query = (
+        update(runs)
+        .where(runs.c.id.in_(ids), runs.c.flow_wait == SLOT)
+        .values(flow_wait=None, due_at=db.now(), published=True, resends=0, resend_at=None)
+        .returning(*_WOKEN)
+    )
+    return list(conn.execute(query).all())
+
+
+def park_txn(db: Database, conn: Connection, run_id: str, step_index: int, kind: str, until: Any) -> bool:
+    """Park a run the claim would have taken but for its flow limit: for a slot (``until``
+    None: a freed slot wakes it) or for the throttle window (due again at ``until``)."""
+
+    def build() -> Any:
+        return (
+            update(runs)
+            .where(
+                runs.c.id == bindparam("p_id"),
+                runs.c.step_index == bindparam("p_step"),
+                runs.c.status.in_(CLAIMABLE),
+                runs.c.locked_by.is_(None),
+                runs.c.due_at <= db.clock_expression("p_now", Clock()),
+                ~paused_exists(),
+            )
+            .values(
+                flow_wait=bindparam("p_kind"),
+                due_at=bindparam("p_until", type_=_TIME),
+                published=False,
+                resends=0,
+                resend_at=None,
+            )
+        )
+
+    params = {"p_id": run_id, "p_step": step_index, "p_kind": kind, "p_until": until, "p_now": Clock()}
+    return bool(_execute(db, conn, "park", build, params).rowcount == 1)
+
+
+def clear_wait_txn(db: Database, conn: Connection, run_id: str) -> None:
+    """The run was claimed: it waits for nothing of flow control any more."""
+
+    def build() -> Any:
+        return update(runs).where(runs.c.id == bindparam("p_id")).values(flow_wait=None)
+
+    _execute(db, conn, "clear", build, {"p_id": run_id})
+
+
+def _newest(db: Database, column: str, key_column: str, nth: bool = False) -> Any:
+    """The key's ``column`` times after ``p_since``, newest first: at most ``p_bound`` of them,
+    or (``nth``) only the ``p_bound``-th newest."""
+    query = (
+        select(runs.c[column])
+        .where(
+            *_of_key(key_column),
+            runs.c[key_column].is_not(None),
+            runs.c[column].is_not(None),
+            runs.c[column] > db.clock_expression("p_since", Clock(-1)),
+        )
+        .order_by(runs.c[column].desc())
+    )
+    if nth:
+        return query.offset(bindparam("p_bound") - 1).limit(1)
+    return query.limit(bindparam("p_bound"))
+
+
+def begins_in_window_txn(
+    db: Database, conn: Connection, workflow: str, key: str, period: float, limit: int
+) -> list[datetime]:
+    """When the key's runs began in the last ``period`` seconds, newest first, at most ``limit``."""
+    params = _key(workflow, key, limit, p_since=Clock(-period))
+    build = lambda: _newest(db, "started_at", "throttle_key")  # noqa: E731
+    return [row[0] for row in _execute(db, conn, "begins", build, params)]
+
+
+def throttle_line_ahead_txn(db: Database, conn: Connection, run: Any, bound: int) -> int:
+    """Runs of ``run``'s throttle key not yet begun, started before it and waiting to begin
+    (parked by the throttle, or due now), up to ``bound``."""
+
+    def where() -> list[Any]:
+        return [
+            *_of_key("throttle_key"),
+            runs.c.started_at.is_(None),
+            runs.c.finished_at.is_(None),
+            runs.c.locked_by.is_(None),
+            runs.c.status.in_(CLAIMABLE),
+            or_(runs.c.flow_wait == THROTTLE, runs.c.due_at <= db.clock_expression("p_now", Clock())),
+            *_before(),
+        ]
+
+    params = _key(run.workflow, run.throttle_key, bound, p_created=run.created_at, p_id=run.id, p_now=Clock())
+    return _count(db, conn, "throttle_ahead", where, params)
+
+
+def window_full_since_txn(
+    db: Database, conn: Connection, workflow: str, key: str, period: float, limit: int
+) -> datetime | None:
+    """If the key's runs were started ``limit`` times in the last ``period`` seconds: the
+    ``limit``-th newest start (the window frees a place ``period`` after it); else None."""
+    params = _key(workflow, key, limit, p_since=Clock(-period))
+    build = lambda: _newest(db, "created_at", "rate_key", nth=True)  # noqa: E731
+    found = _execute(db, conn, "starts_full", build, params).first()
+    return None if found is None else found[0]
+
+
+def parked_slot_keys(conn: Connection, limit: int) -> Sequence[Any]:
+    """(workflow, slot_key) pairs with runs parked for a slot."""
+    query = (
+        select(runs.c.workflow, runs.c.slot_key)
+        .where(runs.c.flow_wait == SLOT, runs.c.finished_at.is_(None))
+        .group_by(runs.c.workflow, runs.c.slot_key)
+        .limit(limit)
+    )
+    return conn.execute(query).all()

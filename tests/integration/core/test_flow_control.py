@@ -1,0 +1,402 @@
+"""Flow control per key (core/flow.py): concurrency slots, throttle and rate limit, decided by
+the database on PostgreSQL, the SQLite file and the in-memory store, through a real worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select
+
+from durable_celery import InvalidDefinition, InvalidStart, RateLimited
+from durable_celery.core.flow import wake_slots_once
+from durable_celery.core.sweeps import sweep_stale_once
+from durable_celery.store.schema import runs
+from durable_celery.testing import wait_for, worker
+from tests.conftest import EVERY_STORE
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=EVERY_STORE)
+def backend(request: pytest.FixtureRequest) -> str:
+    """PostgreSQL, the embedded SQLite default, and the in-memory store."""
+    return str(request.param)
+
+
+def _count_runs(durable, workflow: str) -> int:
+    with durable.db.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).where(runs.c.workflow == workflow)).scalar_one())
+
+
+class Peaks:
+    """Steps running at once, per key, as the steps themselves see it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.order: list[tuple[str, int]] = []
+
+    def enter(self, key: str, n: int) -> None:
+        with self.lock:
+            self.now[key] = self.now.get(key, 0) + 1
+            self.peak[key] = max(self.peak.get(key, 0), self.now[key])
+            self.order.append((key, n))
+
+    def leave(self, key: str) -> None:
+        with self.lock:
+            self.now[key] -= 1
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"concurrency": {"limit": 0}}, "limit must be a positive int"),
+        ({"concurrency": {"limit": True}}, "limit must be a positive int"),
+        ({"concurrency": {"limit": 2.0}}, "limit must be a positive int"),
+        ({"concurrency": 2}, "takes a dict"),
+        ({"concurrency": {"limit": 2, "period": 3}}, "not 'period'"),
+        ({"throttle": {"limit": 2}}, "needs a period"),
+        ({"throttle": {"limit": 2, "period": 0}}, "period must be a positive number"),
+        ({"throttle": {"limit": 2, "period": "60"}}, "period must be a positive number"),
+        ({"rate_limit": {"limit": 2, "period": float("inf")}}, "period must be a positive number"),
+        ({"rate_limit": {"limit": 1, "period": 1, "key": 7}}, "key must be a template str or a callable"),
+    ],
+)
+def test_bad_options_are_refused_when_the_workflow_is_defined(durable, option, message):
+    with pytest.raises(InvalidDefinition, match=message):
+        durable.workflow("bad", **option)
+    assert "bad" not in durable.workflows
+
+
+def test_a_template_naming_a_missing_field_refuses_the_start_and_writes_nothing(durable):
+    wf = durable.workflow("sync", concurrency={"limit": 1, "key": "tenant:{tenant}"})
+
+    @wf.step
+    def go(**data):
+        return None
+
+    with pytest.raises(InvalidStart, match="concurrency key 'tenant:{tenant}' needs 'tenant'"):
+        durable.start("sync", {"customer": "c1"})
+    assert _count_runs(durable, "sync") == 0
+
+
+def test_concurrency_never_passes_the_limit_per_key_and_serves_each_key_in_start_order(durable):
+    peaks = Peaks()
+    wf = durable.workflow("sync", concurrency={"limit": 2, "key": "tenant:{tenant}"})
+
+    @wf.step
+    def fetch(tenant, n):
+        peaks.enter(tenant, n)
+        time.sleep(0.15)
+        peaks.leave(tenant)
+
+    @wf.step
+    def store(tenant, n):
+        peaks.enter(tenant, n)
+        time.sleep(0.05)
+        peaks.leave(tenant)
+
+    ids = [durable.start("sync", {"tenant": "A", "n": n}) for n in range(8)]
+    ids += [durable.start("sync", {"tenant": "B", "n": n}) for n in range(2)]
+    with worker(durable, concurrency=6):
+        for run_id in ids:
+            assert wait_for(durable, run_id, timeout=60).status == "completed"
+    assert peaks.peak["A"] == 2
+    assert peaks.peak["B"] <= 2
+
+
+def test_with_one_slot_each_run_goes_through_before_the_next_in_start_order(durable):
+    peaks = Peaks()
+    wf = durable.workflow("sync", concurrency={"limit": 1, "key": "tenant:{tenant}"})
+
+    @wf.step
+    def fetch(tenant, n):
+        peaks.enter(tenant, n)
+        time.sleep(0.02)
+        peaks.leave(tenant)
+
+    @wf.step
+    def store(tenant, n):
+        peaks.enter(tenant, n)
+        peaks.leave(tenant)
+
+    ids = [durable.start("sync", {"tenant": "A", "n": n}) for n in range(6)]
+    with worker(durable, concurrency=4):
+        for run_id in ids:
+            assert wait_for(durable, run_id, timeout=60).status == "completed"
+    # A run that goes on to its next step started before every run waiting: it goes first.
+    assert peaks.order == [("A", n) for n in range(6) for _ in range(2)]
+    assert peaks.peak["A"] == 1
+
+
+def test_another_key_is_not_held_back_by_a_full_one(durable):
+    release = threading.Event()
+    wf = durable.workflow("sync", concurrency={"limit": 1, "key": "{tenant}"})
+
+    @wf.step
+    def work(tenant, n):
+        if tenant == "busy":
+            release.wait(30)
+
+    busy = [durable.start("sync", {"tenant": "busy", "n": n}) for n in range(3)]
+    with worker(durable, concurrency=4):
+        if not durable.inline:  # a Fake runs one step at a time: nothing runs beside the busy one
+            other = durable.start("sync", {"tenant": "calm", "n": 0})
+            assert wait_for(durable, other, timeout=30).status == "completed"
+            assert [durable.get_run(run_id).status for run_id in busy[1:]] == ["pending", "pending"]
+        release.set()
+        for run_id in busy:
+            assert wait_for(durable, run_id, timeout=30).status == "completed"
+
+
+def test_a_limit_without_key_covers_the_whole_workflow(durable):
+    peaks = Peaks()
+    wf = durable.workflow("report", concurrency={"limit": 1})
+
+    @wf.step
+    def build(n):
+        peaks.enter("all", n)
+        time.sleep(0.05)
+        peaks.leave("all")
+
+    ids = [durable.start("report", {"n": n}) for n in range(5)]
+    with worker(durable, concurrency=4):
+        for run_id in ids:
+            assert wait_for(durable, run_id, timeout=60).status == "completed"
+    assert peaks.peak["all"] == 1
+    assert peaks.order == [("all", n) for n in range(5)]
+
+
+def test_a_sleeping_run_holds_no_slot(durable):
+    wf = durable.workflow("nap", concurrency={"limit": 1, "key": "k"})
+
+    @wf.step
+    def doze(n):
+        from durable_celery import current_run
+
+        if n == 0:
+            current_run().sleep(2)
+
+    sleeper = durable.start("nap", {"n": 0})
+    with worker(durable, concurrency=2):
+        wait_for(durable, sleeper, statuses=("waiting",), timeout=30)
+        other = durable.start("nap", {"n": 1})
+        assert wait_for(durable, other, timeout=30).status == "completed"
+        assert durable.get_run(sleeper).status == "waiting"
+        assert wait_for(durable, sleeper, timeout=30).status == "completed"
+
+
+def test_a_dead_workers_slot_comes_back_when_its_lock_goes_stale(make_durable):
+    durable = make_durable(stale_lock_timeout=1.0, heartbeat_interval=0.2)
+    wf = durable.workflow("sync", concurrency={"limit": 1, "key": "{tenant}"})
+
+    @wf.step
+    def work(tenant):
+        return tenant
+
+    first = durable.start("sync", {"tenant": "t"})
+    second = durable.start("sync", {"tenant": "t"})
+    # A worker that claimed the first run and died: locked, never beats again.
+    step = wf.steps[0]
+    assert durable.engine.execute(wf, step, second, False) == "dropped"  # parked behind the first
+    with durable.db.begin() as conn:
+        conn.execute(
+            runs.update()
+            .where(runs.c.id == first)
+            .values(
+                status="running",
+                locked_by="gone:1:1",
+                heartbeat_at=durable.db.utcnow() - timedelta(seconds=9),
+            )
+        )
+    assert durable.engine.execute(wf, step, second, False) == "dropped"  # still parked: the slot is held
+    assert durable.get_run(second).status == "pending"
+    handed_back, _failed = sweep_stale_once(durable.runtime)
+    assert handed_back == [first]
+    with worker(durable, concurrency=2):
+        assert wait_for(durable, first, timeout=30).status == "completed"
+        assert wait_for(durable, second, timeout=30).status == "completed"
+    assert wake_slots_once(durable.runtime) == 0  # nothing left parked
+
+
+def test_throttle_spaces_the_begins_in_start_order_and_drops_none(durable):
+    begun: list[int] = []
+    wf = durable.workflow("api", throttle={"limit": 2, "period": 1.0, "key": "c:{customer}"})
+
+    @wf.step
+    def call(customer, n):
+        begun.append(n)
+
+    ids = [durable.start("api", {"customer": "x", "n": n}) for n in range(6)]
+    with worker(durable, concurrency=4):
+        for run_id in ids:
+            assert wait_for(durable, run_id, timeout=60).status == "completed"
+    assert sorted(begun) == list(range(6))
+    began = [durable.get_run(run_id).started_at for run_id in ids]  # in start order
+    # Start order: no run begins a window after one started later (two that begin in the same
+    # moment, both with a place, may be claimed either way round).
+    for earlier, later in zip(began, began[1:], strict=False):
+        assert earlier <= later + timedelta(seconds=0.2)
+    starts = sorted(began)
+    for i in range(2, 6):  # any 3 consecutive begins span at least the period
+        assert (starts[i] - starts[i - 2]).total_seconds() >= 1.0 - 0.01
+
+
+def test_rate_limit_refuses_past_the_limit_and_writes_nothing(durable):
+    wf = durable.workflow("remind", rate_limit={"limit": 2, "period": 3600, "key": "user:{user}"})
+
+    @wf.step
+    def send(user):
+        return user
+
+    assert durable.start("remind", {"user": 1}) != durable.start("remind", {"user": 1})
+    with pytest.raises(RateLimited) as refused:
+        durable.start("remind", {"user": 1})
+    assert 3590 < refused.value.retry_after <= 3600
+    assert refused.value.key == "user:1"
+    assert _count_runs(durable, "remind") == 2
+    durable.start("remind", {"user": 2})  # another key has its own budget
+    assert _count_runs(durable, "remind") == 3
+
+
+def test_a_duplicate_answered_by_the_holder_counts_against_no_limit(durable):
+    wf = durable.workflow("invoice", key="inv:{n}", rate_limit={"limit": 1, "period": 3600})
+
+    @wf.step
+    def bill(n):
+        return n
+
+    first = durable.start("invoice", {"n": 1})
+    assert durable.start("invoice", {"n": 1}) == first  # use_existing: the holder answers
+    with pytest.raises(RateLimited):
+        durable.start("invoice", {"n": 2})
+    assert _count_runs(durable, "invoice") == 1
+    assert durable.list_runs(workflow="invoice")[0].key == "inv:1"
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_rate_limit_racing_from_many_threads_accepts_exactly_the_limit(durable):
+    wf = durable.workflow("remind", rate_limit={"limit": 3, "period": 3600, "key": "user:{user}"})
+
+    @wf.step
+    def send(user):
+        return user
+
+    accepted, refused, errors = [], [], []
+    barrier = threading.Barrier(12)
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            accepted.append(durable.start("remind", {"user": 1}))
+        except RateLimited as exc:
+            refused.append(exc)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert len(accepted) == 3 and len(refused) == 9
+    assert _count_runs(durable, "remind") == 3
+
+
+@pytest.mark.parametrize("backend", ["postgres", "sqlite"])
+def test_rate_limited_inside_the_callers_transaction_leaves_it_usable(durable):
+    from sqlalchemy import text
+
+    wf = durable.workflow("remind", key="r:{user}", rate_limit={"limit": 1, "period": 3600})
+
+    @wf.step
+    def send(user):
+        return user
+
+    durable.start("remind", {"user": 1})
+    with durable.db.engine.connect() as conn, conn.begin():
+        with pytest.raises(RateLimited):
+            durable.start("remind", {"user": 2}, connection=conn)
+        assert conn.execute(text("SELECT 1")).scalar_one() == 1  # still usable
+    assert _count_runs(durable, "remind") == 1
+    assert [run.key for run in durable.list_runs(workflow="remind")] == ["r:1"]
+
+
+@pytest.mark.parametrize("backend", ["memory"])
+def test_a_fake_keeps_the_rules_on_its_own_clock(backend):
+    from durable_celery.testing import Fake
+
+    fake = Fake()
+    try:
+        begun: list[tuple[int, float]] = []
+        t0 = fake.now()
+        api = fake.workflow("api", throttle={"limit": 2, "period": 60, "key": "c:{customer}"})
+
+        @api.step
+        def call(customer, n):
+            begun.append((n, (fake.now() - t0).total_seconds()))
+
+        for n in range(5):
+            fake.start("api", {"customer": "x", "n": n})
+        for _ in range(6):
+            fake.run_until_idle()
+            fake.advance(30)
+        assert begun == [(0, 0.0), (1, 0.0), (2, 60.0), (3, 60.0), (4, 120.0)]
+
+        remind = fake.workflow("remind", rate_limit={"limit": 1, "period": 3600, "key": "u:{user}"})
+
+        @remind.step
+        def send(user):
+            return user
+
+        fake.start("remind", {"user": 1})
+        fake.advance(600)
+        with pytest.raises(RateLimited) as refused:
+            fake.start("remind", {"user": 1})
+        assert refused.value.retry_after == pytest.approx(3000, abs=0.01)
+        fake.advance(3000.01)
+        fake.start("remind", {"user": 1})
+        assert len(fake.list_runs(workflow="remind")) == 2
+
+        order: list[int] = []
+        sync = fake.workflow("sync", concurrency={"limit": 1, "key": "{tenant}"})
+
+        @sync.step
+        def first(tenant, n):
+            order.append(n)
+
+        @sync.step
+        def second(tenant, n):
+            order.append(n)
+
+        for n in range(3):
+            fake.start("sync", {"tenant": "a", "n": n})
+        fake.run_until_idle()
+        assert order == [0, 0, 1, 1, 2, 2]
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("backend", ["memory"])
+def test_a_backend_told_it_lacks_flow_control_refuses_such_starts(backend):
+    from durable_celery import Capability, Unsupported
+    from durable_celery.testing import Fake
+
+    fake = Fake(capabilities=Capability.ALL & ~Capability.FLOW_CONTROL)
+    try:
+        wf = fake.workflow("sync", concurrency={"limit": 1})
+
+        @wf.step
+        def go():
+            return None
+
+        with pytest.raises(Unsupported, match="missing FLOW_CONTROL"):
+            fake.start("sync")
+        assert fake.list_runs() == []
+    finally:
+        fake.close()
