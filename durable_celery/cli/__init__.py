@@ -15,6 +15,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from ..app import STATUSES, Durable
 from ..errors import DatabaseUnavailable, DurableError, NotConfigured, SchemaOutdated
 from ..worker.app_argument import app_argument
+from . import flow as cli_flow
 from . import observe as cli_observe
 from . import ops as cli_ops
 from . import schedules as cli_schedules
@@ -396,5 +397,6 @@ for command in (
     cli_ops.nodes,
     cli_web.web,
     cli_vacuum.tune_vacuum,
+    cli_flow.flow,
 ):
     durable.add_command(command)

@@ -11,7 +11,8 @@
 * **gauges read from the database at scrape time**, the same from any process: the ready
   backlog and the age of the oldest ready run per workflow, unfinished runs per status, runs
   finished in the last hour per status, stale locks, draining nodes, disabled schedules and late ones (beat
-  down; read from RedBeat too, where it keeps the schedules). A read is reused
+  down; read from RedBeat too, where it keeps the schedules), runs parked by flow control per
+  workflow and what they wait for, and concurrency slots in use per workflow. A read is reused
   for ``METRICS_CACHE_SECONDS``, so scrapes in quick succession (several Prometheus servers,
   a dashboard) cost the database nothing more.
 
@@ -37,7 +38,7 @@ from celery import signals as celery_signals
 
 from .. import signals
 from ..errors import MissingExtra
-from ..store import observe_rows, schedule_rows
+from ..store import flow_reads, observe_rows, schedule_rows
 from ..store.schema import UNFINISHED
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ log = logging.getLogger("durable_celery")
 RECENT = 3600.0  # the window of durable_runs_finished_recent, seconds
 # Pool waits: under a millisecond when the pool is big enough, tens to hundreds when it is not.
 POOL_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# A scrape this soon after the last database read is served from it: 5 queries per read.
+# A scrape this soon after the last database read is served from it: 6 queries per read.
 METRICS_CACHE_SECONDS = 5.0
 
 
@@ -71,6 +72,8 @@ class DatabaseRows:
     disabled: int
     late: int | None = None  # schedules overdue by more than their period; None: not read
     draining: int = 0  # worker nodes in a graceful shutdown
+    # (workflow, what, n): runs parked by flow control ('slot', 'throttle'), slots in use ('in_use')
+    flow: Sequence[Any] = ()
 
 
 class DatabaseCollector:
@@ -138,6 +141,7 @@ class DatabaseCollector:
                 disabled=sum(not r.enabled for r in schedules),
                 draining=draining,
                 late=self._late_schedules(schedules),
+                flow=flow_reads.flow_gauges(conn),
             )
 
     def _late_schedules(self, rows: Sequence[Any]) -> int | None:
@@ -184,6 +188,7 @@ class DatabaseCollector:
         draining = gauge("durable_nodes_draining", "Worker nodes in a graceful shutdown (draining)")
         draining.add_metric([], rows.draining)
         families = [backlog, oldest, runs, finished, stale_gauge, schedules, draining]
+        families.extend(self._flow_families(rows, gauge))
         if rows.late is not None:
             late = gauge(
                 "durable_schedules_late", "Schedules overdue by more than their period: is beat running?"
@@ -191,6 +196,35 @@ class DatabaseCollector:
             late.add_metric([], rows.late)
             families.append(late)
         return families
+
+    def _flow_families(self, rows: DatabaseRows, gauge: Any) -> list[Any]:
+        """Runs parked by flow control and slots in use, per workflow: 0 for each workflow
+        defined here with such a limit, so an alert sees the series before anything waits."""
+        defined = self.rt.registry.workflows.values()
+        waiting = gauge(
+            "durable_flow_waiting",
+            "Runs parked by flow control, per workflow and what they wait for (slot or throttle)",
+            labels=["workflow", "wait"],
+        )
+        parked = {(r.workflow, r.what): int(r.n) for r in rows.flow if r.what != flow_reads.IN_USE}
+        for wf in defined:
+            for wait, limit in (("slot", wf.concurrency), ("throttle", wf.throttle)):
+                if limit is not None:
+                    parked.setdefault((wf.name or "", wait), 0)
+        for (workflow, wait), n in sorted(parked.items()):
+            waiting.add_metric([workflow, wait], n)
+        slots = gauge(
+            "durable_flow_slots_in_use",
+            "Steps holding a concurrency slot (running now), per workflow",
+            labels=["workflow"],
+        )
+        used = {r.workflow: int(r.n) for r in rows.flow if r.what == flow_reads.IN_USE}
+        for wf in defined:
+            if wf.concurrency is not None:
+                used.setdefault(wf.name or "", 0)
+        for workflow, n in sorted(used.items()):
+            slots.add_metric([workflow], n)
+        return [waiting, slots]
 
 
 def _aware(value: Any) -> Any:

@@ -12,6 +12,7 @@ from ..core.waits import INPUT, INTERNAL
 from ..errors import InvalidArgument
 from ..models import Run, aware
 from ..observe.activity import KeyEntry, key_blocks
+from ..observe.flow import flow_report, key_words, limit_words, limits_of, use_words
 from ..store import activity_rows, observe_rows
 from ..store.db import masked_url
 from ..store.schema import UNFINISHED
@@ -370,7 +371,31 @@ def describe_workflow(durable: Durable, workflow: Any) -> dict[str, Any]:
         "idempotency": workflow.idempotency,
         "timeout": workflow.timeout,
         "debounce": dict(period=debounce["period"], timeout=debounce.get("timeout")) if debounce else None,
+        "flow": {
+            kind: dict(shown, text=limit_words(kind, shown)) for kind, shown in limits_of(workflow).items()
+        },
         "steps": steps,
+    }
+
+
+# -- flow control ------------------------------------------------------------------------------
+
+
+def flow_data(durable: Durable, workflow: str | None, keys: int = 50) -> dict[str, Any]:
+    """The Flow page: per workflow with a flow limit, its limits and each key's use (slots in
+    use, runs parked, begins or starts in the window), keys with most runs waiting first."""
+    found = flow_report(durable.runtime, workflow or None, keys)
+    return {
+        "workflows": [
+            {
+                "workflow": entry.workflow,
+                "limits": {k: dict(v, text=limit_words(k, v)) for k, v in entry.limits.items()},
+                "keys": [dict(asdict(k), use=use_words(k), shown_key=key_words(k.key)) for k in entry.keys],
+            }
+            for entry in found
+        ],
+        "filters": {"workflow": workflow or ""},
+        "keys_shown": keys,
     }
 
 

@@ -220,8 +220,10 @@ def wait_of_run(conn: Connection, run_id: str) -> Any:
 
 def run_state(conn: Connection, run_id: str) -> Any:
     """What a run's page needs beyond ``Run``: the step's name, its queue, its lock and
-    heartbeat, when it is due (and at the latest, for a debounce) and its attempt base."""
+    heartbeat, when it is due (and at the latest, for a debounce), its attempt base and what
+    flow control parks it for (``flow_wait`` and its keys)."""
     query = select(
+        runs.c.workflow,
         runs.c.step_name,
         runs.c.queue,
         runs.c.locked_by,
@@ -230,5 +232,8 @@ def run_state(conn: Connection, run_id: str) -> Any:
         runs.c.not_after,
         runs.c.attempt,
         runs.c.attempt_base,
+        runs.c.flow_wait,
+        runs.c.slot_key,
+        runs.c.throttle_key,
     ).where(runs.c.id == run_id)
     return conn.execute(query).first()

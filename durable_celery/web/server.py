@@ -203,6 +203,12 @@ class Dashboard:
         limit = data.check_limit(params.get("limit"), 200, 1000)
         return data.keys_data(self.durable, params.get("workflow"), params.get("prefix"), limit)
 
+    def flow(self, request: Request) -> dict[str, Any]:
+        """Flow control: each limit's use per key, by workflow."""
+        params = request.query_params
+        keys = data.check_limit(params.get("limit"), 50, 500)
+        return data.flow_data(self.durable, params.get("workflow"), keys)
+
     def workflow(self, request: Request) -> dict[str, Any]:
         """One workflow: definition, recent runs, keys."""
         return data.workflow_data(self.durable, request.path_params["name"])
@@ -377,6 +383,7 @@ def create_app(durable: Durable, token: str | None = None) -> Starlette:
         Route("/runs/{run_id}", d.page("run.html", d.run)),
         Route("/runs/{run_id}/cancel", d.page("confirm_cancel.html", d.confirm_cancel), methods=["GET"]),
         Route("/keys", d.page("keys.html", d.keys)),
+        Route("/flow", d.page("flow.html", d.flow)),
         Route("/workflows/{name:path}", d.page("workflow.html", d.workflow)),
         Route("/queues", d.page("queues.html", d.queues)),
         Route("/schedules", d.page("schedules.html", d.schedules)),
@@ -387,6 +394,7 @@ def create_app(durable: Durable, token: str | None = None) -> Starlette:
         Route("/api/runs", d.api(d.api_runs)),
         Route("/api/runs/{run_id}", d.api(d.api_run)),
         Route("/api/keys", d.api(d.api_keys)),
+        Route("/api/flow", d.api(d.flow)),
         Route("/api/queues", d.api(d.api_queues)),
         Route("/api/schedules", d.api(d.api_schedules)),
         Route("/api/overview", d.api(d.overview)),

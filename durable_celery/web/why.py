@@ -1,5 +1,6 @@
 """Why a run is not moving, for its page: a retry waiting out its backoff, a debounce, a queue
-nobody consumes or that is paused, the worker running it, the compensation that failed."""
+nobody consumes or that is paused, the worker running it, the compensation that failed, a
+concurrency slot or the throttle's window it waits for."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.queues import paused_queues, queue_of
 from ..models import Run, aware
+from ..observe.flow import explain_wait
 from ..store.schema import UNFINISHED
 from . import queries
 
@@ -35,7 +37,7 @@ def consumers(nodes: list[dict[str, Any]], queue: str) -> list[str]:
 def run_state(durable: Durable, run: Run, steps: list[Any]) -> dict[str, Any]:
     """What keeps ``run`` where it is: ``label`` (one phrase, or None when it is moving or
     finished as expected) and the parts behind it (``retry``, ``debounce``, ``queue``,
-    ``worker``, ``compensation``)."""
+    ``worker``, ``compensation``, ``flow``)."""
     now = durable.db.utcnow()
     with durable.db.engine.connect() as conn:
         row = queries.run_state(conn, run.id)
@@ -48,6 +50,7 @@ def run_state(durable: Durable, run: Run, steps: list[Any]) -> dict[str, Any]:
         "queue": None,
         "worker": None,
         "compensation": None,
+        "flow": None,
     }
     if row is None:
         return state
@@ -62,20 +65,44 @@ def run_state(durable: Durable, run: Run, steps: list[Any]) -> dict[str, Any]:
     if locked_by:
         state["worker"] = {"name": locked_by, "heartbeat_at": aware(row.heartbeat_at)}
         return state
+    state["flow"] = _flow(durable, row)
     if due_at is None:  # parked without a timer: the waiting section says what it waits for
         queue["no_consumer"] = queue["paused"] = False  # no message is due: nothing to flag
-        return state
-    state["retry"] = _retry(workflow, run, row, steps, due_at)
-    state["debounce"] = _debounce(workflow, run, row, due_at, now)
-    if state["retry"] is not None:
-        state["label"] = f"retry {'of compensation ' if state['retry']['compensation'] else ''}backoff"
-    elif state["debounce"] is not None:
-        state["label"] = "debounced"
-    if queue["paused"]:
-        state["label"] = "queue paused"
-    elif queue["no_consumer"]:
-        state["label"] = "no consumer"
+    elif state["flow"] is None:  # a throttle's look again is no retry, no debounce
+        state["retry"] = _retry(workflow, run, row, steps, due_at)
+        state["debounce"] = _debounce(workflow, run, row, due_at, now)
+    state["label"] = _label(state)
     return state
+
+
+def _label(state: dict[str, Any]) -> str | None:
+    """The one phrase for what keeps a run waiting: the queue first, then its flow limit, a
+    retry's backoff, a debounce."""
+    queue, flow, retry = state["queue"], state["flow"], state["retry"]
+    if queue["paused"]:
+        return "queue paused"
+    if queue["no_consumer"]:
+        return "no consumer"
+    if flow is not None:
+        return str(flow["label"])
+    if retry is not None:
+        return f"retry {'of compensation ' if retry['compensation'] else ''}backoff"
+    return "debounced" if state["debounce"] is not None else None
+
+
+def _flow(durable: Durable, row: Any) -> dict[str, Any] | None:
+    """The flow limit a run is parked for: ``wait`` (slot or throttle), its key, ``until``
+    (when a throttled run looks again) and the explanation."""
+    if row.flow_wait is None:
+        return None
+    slot = row.flow_wait == "slot"
+    return {
+        "wait": row.flow_wait,
+        "key": row.slot_key if slot else row.throttle_key,
+        "until": None if slot else aware(row.due_at),
+        "label": "waiting for a concurrency slot" if slot else "throttled",
+        "text": explain_wait(durable.runtime, row),
+    }
 
 
 def _retry(workflow: Workflow | None, run: Run, row: Any, steps: list[Any], due_at: datetime) -> Any:

@@ -67,6 +67,15 @@ def _define(d: Durable) -> None:
     def done(n: int) -> int:
         return n * 2
 
+    # Flow limits shown on the Flow page and the workflow's options (no run of it).
+    quota = d.workflow(
+        "quota",
+        concurrency={"limit": 2, "key": "tenant:{tenant}"},
+        throttle={"limit": 10, "period": 60, "key": "api:{customer}"},
+        rate_limit={"limit": 1, "period": 3600},
+    )
+    quota.step(lambda tenant, customer: None, name="call")
+
     _define_stuck(d)
 
 

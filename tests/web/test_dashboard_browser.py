@@ -3,7 +3,8 @@ uvicorn server. It logs in with the token, opens the Keys page, follows a key to
 run, reads the re-add count and the dropped input's diff, presses Cancel, confirms, and sees the
 run cancelled; it opens the pages of a run waiting out a retry backoff, a debounced run, a run
 on a queue nobody consumes and a run whose compensation failed, and reads why each is not
-moving. With DURABLE_WEB_SCREENSHOTS=<dir> it also saves the pages shown in the docs."""
+moving; it follows the nav to the Flow page. With DURABLE_WEB_SCREENSHOTS=<dir> it also saves
+the pages shown in the docs."""
 
 from __future__ import annotations
 
@@ -195,6 +196,11 @@ def test_why_runs_are_not_moving_in_chromium(scene: Scene, server: str, browser:
 
     browser.get(f"{server}/workflows/trip")
     assert "unbook" in browser.find_element(By.ID, "workflow-steps").text
+    browser.find_element(By.LINK_TEXT, "Flow").click()  # the nav's link to the Flow page
+    WebDriverWait(browser, 15).until(ec.url_to_be(f"{server}/flow"))
+    quota = browser.find_element(By.ID, "flow-quota").text
+    assert "2 at once per tenant:{tenant}" in quota and "nothing in use" in quota
+    _shot(browser, "dashboard-flow.png")
     browser.get(f"{server}/runs")
     _shot(browser, "dashboard-runs.png")
     browser.get(f"{server}/")

@@ -24,7 +24,17 @@ from .conftest import TOKEN, XSS, Scene
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(120)]
 
-PAGES = ["/", "/runs", "/keys", "/workflows/invoice", "/queues", "/schedules", "/settings"]
+PAGES = [
+    "/",
+    "/runs",
+    "/keys",
+    "/flow",
+    "/workflows/invoice",
+    "/workflows/quota",
+    "/queues",
+    "/schedules",
+    "/settings",
+]
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -59,6 +69,12 @@ def test_every_page_renders(scene: Scene) -> None:
     assert "quick:cron" in schedules and "*/5 * * * *" in schedules
     settings = c.get("/settings").text
     assert "Prune now" in settings and "postgres@" in settings and "completed" in settings
+    flow = c.get("/flow").text
+    assert "2 at once per tenant:{tenant}" in flow and "10 begins per 60s per api:{customer}" in flow
+    assert "1 start per 3600s for the whole workflow" in flow and "nothing in use" in flow
+    assert 'href="/workflows/quota"' in flow and "invoice" not in flow  # only flow-limited workflows
+    quota = c.get("/workflows/quota").text
+    assert '<dd id="workflow-concurrency">2 at once per tenant:{tenant}' in quota
 
 
 def test_runs_filters_search_and_paging(scene: Scene) -> None:

@@ -1,6 +1,6 @@
 """Every statement the dashboard's pages and ``status_summary()`` (``durable status``) run is
-served by an index: with 500,000 finished runs (and a step each) stored, EXPLAIN of each shows
-no sequential scan of durable_runs or durable_steps."""
+served by an index: with 500,000 finished runs (and a step each) stored, and 10,000 runs parked
+by flow control, EXPLAIN of each shows no sequential scan of durable_runs or durable_steps."""
 
 from __future__ import annotations
 
@@ -51,6 +51,27 @@ FILL = [
            now() - interval '1 minute'
     FROM durable_keys k ORDER BY k.taken_at DESC LIMIT 2000
     """,
+    # A flow-limited workflow: 50,000 finished runs with their flow keys, and 10,000 parked
+    # (half for a concurrency slot, half by the throttle) over 100 keys each.
+    """
+    INSERT INTO durable_runs (id, workflow, status, input, context, queue, created_at, started_at,
+                              finished_at, slot_key, throttle_key, rate_key)
+    SELECT gen_random_uuid()::text, 'metered', 'completed', jsonb_build_object('n', i), '{}'::jsonb,
+           'celery', now() - make_interval(secs => i), now() - make_interval(secs => i),
+           now() - make_interval(secs => i) + interval '1 second',
+           't:' || mod(i, 100), 'c:' || mod(i, 100), 'u:' || mod(i, 100)
+    FROM generate_series(1, 50000) AS i
+    """,
+    """
+    INSERT INTO durable_runs (id, workflow, status, input, context, queue, created_at, slot_key,
+                              throttle_key, rate_key, flow_wait, due_at, published)
+    SELECT gen_random_uuid()::text, 'metered', 'pending', jsonb_build_object('n', i), '{}'::jsonb,
+           'celery', now() - make_interval(secs => i / 100.0),
+           't:' || mod(i, 100), 'c:' || mod(i, 100), 'u:' || mod(i, 100),
+           CASE WHEN mod(i, 2) = 0 THEN 'slot' ELSE 'throttle' END,
+           CASE WHEN mod(i, 2) = 0 THEN NULL ELSE now() + interval '1 minute' END, false
+    FROM generate_series(1, 10000) AS i
+    """,
 ]
 
 
@@ -70,11 +91,25 @@ def test_pages_use_indexes_with_500k_finished_runs(pg_url: str) -> None:
     def only(n: int) -> int:
         return n
 
+    metered = durable.workflow(
+        "metered",
+        concurrency={"limit": 2, "key": "t:{n}"},
+        throttle={"limit": 5, "period": 60, "key": "c:{n}"},
+        rate_limit={"limit": 100, "period": 3600, "key": "u:{n}"},
+    )
+    metered.step(only, name="only")
+
     started = time.monotonic()
     _fill(durable)
     live = durable.start("quick", {"n": 1}, key="live:1")
     with durable.db.engine.connect() as conn:
         some = conn.exec_driver_sql("SELECT id FROM durable_runs WHERE key IS NOT NULL LIMIT 1").scalar()
+        slot_wait, throttled = (
+            conn.exec_driver_sql(
+                f"SELECT id FROM durable_runs WHERE flow_wait = '{wait}' AND finished_at IS NULL LIMIT 1"
+            ).scalar()
+            for wait in ("slot", "throttle")
+        )
     fill_seconds = time.monotonic() - started
 
     seen: list[tuple[str, Any]] = []
@@ -107,6 +142,12 @@ def test_pages_use_indexes_with_500k_finished_runs(pg_url: str) -> None:
         f"/api/runs/{some}",
         "/api/keys?workflow=quick",
         "/api/queues",
+        "/flow",
+        "/flow?workflow=metered",
+        "/api/flow",
+        "/workflows/metered",
+        f"/runs/{slot_wait}",
+        f"/runs/{throttled}",
     ]
     timings = {}
     try:

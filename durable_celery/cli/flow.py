@@ -1,0 +1,78 @@
+"""``celery -A app durable flow [--workflow NAME] [--json]``: each flow limit's use per key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from datetime import datetime
+from typing import Any
+
+import click
+
+from .common import durable_of, or_fail
+
+
+@click.command(name="flow")
+@click.option(
+    "--workflow", "-w", metavar="NAME", help="Only this workflow (defined in the app given with -A)."
+)
+@click.option("--limit", "-n", default=50, show_default=True, help="At most this many keys per limit.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per workflow and key, one a line.")
+@click.pass_context
+def flow(ctx: click.Context, workflow: str | None, limit: int, as_json: bool) -> None:
+    """Flow control: per workflow with concurrency, throttle or rate_limit, its limits and per
+    key their use, keys with most runs waiting first.
+
+    concurrency: slots in use of the limit, and runs parked for a slot (served in start
+    order). throttle: runs begun in the current period, runs parked until the window lets them
+    begin, and when the soonest looks again ("again at"). rate_limit: starts in the current
+    period (a start past the limit raises RateLimited; "again at": when one is accepted again).
+    Only workflows defined in the app given with -A are shown.
+    """
+    from ..observe.flow import flow_report
+
+    d = durable_of(ctx)
+    found = or_fail(flow_report, d.runtime, workflow, limit)
+    if as_json:
+        for entry in found:
+            if not entry.keys:
+                click.echo(json.dumps({"workflow": entry.workflow, "limits": entry.limits}))
+            for key in entry.keys:
+                line = {"workflow": entry.workflow, "limits": entry.limits, **asdict(key)}
+                click.echo(json.dumps(line, default=_jsonable))
+        return
+    if not found:
+        click.echo("no workflow defined here has a concurrency, throttle or rate_limit option")
+        return
+    for number, entry in enumerate(found):
+        if number:
+            click.echo("")
+        _echo_workflow(entry)
+
+
+def _echo_workflow(entry: Any) -> None:
+    from ..observe.flow import key_words, limit_words, use_words
+
+    limits = "; ".join(f"{kind} {limit_words(kind, shown)}" for kind, shown in entry.limits.items())
+    click.echo(f"{entry.workflow}: {limits}")
+    if not entry.keys:
+        click.echo("  nothing in use")
+        return
+    click.echo(
+        f"  {'limit':11}  {'key':32}  {'use':28}  {'waiting':>7}  {'again at':23}  "
+        f"{'oldest waiting start':23}"
+    )
+    for key in entry.keys:
+        waiting = "-" if key.kind == "rate_limit" else str(key.waiting)
+        click.echo(
+            f"  {key.kind:11}  {key_words(key.key)[:32]:32}  {use_words(key)[:28]:28}  {waiting:>7}  "
+            f"{_when(key.next_look or key.until):23}  {_when(key.oldest_waiting):23}"
+        )
+
+
+def _when(at: datetime | None) -> str:
+    return "-" if at is None else at.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _jsonable(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else str(value)

@@ -1,0 +1,142 @@
+"""The dashboard shows flow control: a run parked for a concurrency slot or by the throttle says
+so on its page, the Flow page lists each limit's use per key, the workflow page its limits;
+runs parked by a real worker on PostgreSQL."""
+
+from __future__ import annotations
+
+import html
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from starlette.testclient import TestClient
+
+from durable_celery.store.schema import runs
+from durable_celery.testing import wait_for, worker
+from durable_celery.web import create_app
+
+from .conftest import TOKEN, XSS, until
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.timeout(120)]
+
+
+def _rows(durable: Any, run_ids: list[str]) -> dict[str, Any]:
+    with durable.db.engine.connect() as conn:
+        query = select(runs.c.id, runs.c.flow_wait, runs.c.locked_by, runs.c.due_at).where(
+            runs.c.id.in_(run_ids)
+        )
+        return {row.id: row for row in conn.execute(query)}
+
+
+def _parked(durable: Any, run_ids: list[str], wait: str, running: int) -> Any:
+    rows = _rows(durable, run_ids)
+    parked = [i for i, r in rows.items() if r.flow_wait == wait]
+    busy = [i for i, r in rows.items() if r.locked_by is not None]
+    return parked if parked and len(busy) == running else None
+
+
+@pytest.fixture
+def parked(make_durable: Any) -> Iterator[dict[str, Any]]:
+    """A worker running two steps of tenant:A with a third run parked for a slot, and a run of
+    api:c1 parked by the throttle (2 per 60 s, both begun)."""
+    d = make_durable("webflow")
+    go = threading.Event()
+    sync = d.workflow("sync", concurrency={"limit": 2, "key": "tenant:{tenant}"})
+
+    @sync.step
+    def fetch(tenant: str, n: int) -> None:
+        assert go.wait(60), "the test never let the step go"
+
+    api = d.workflow(
+        "api",
+        throttle={"limit": 2, "period": 60, "key": "api:{customer}"},
+        rate_limit={"limit": 5, "period": 3600},
+    )
+
+    @api.step
+    def call(customer: str, n: int) -> int:
+        return n
+
+    try:
+        with worker(d, concurrency=5):
+            slot_runs = [d.start("sync", {"tenant": "A", "n": n}) for n in range(3)]
+            (slot_wait,) = until("a run parked for a slot", lambda: _parked(d, slot_runs, "slot", 2))
+            marked = d.start("sync", {"tenant": XSS, "n": 0})  # a key that is a script tag
+            slot_runs.append(marked)
+            until("the marked run running", lambda: _rows(d, [marked])[marked].locked_by)
+            api_runs = [d.start("api", {"customer": "c1", "n": n}) for n in range(3)]
+            (throttled,) = until("a run throttled", lambda: _parked(d, api_runs, "throttle", 0))
+            yield {
+                "durable": d,
+                "slot_wait": slot_wait,
+                "throttled": throttled,
+                "go": go,
+                "slot_runs": slot_runs,
+            }
+            go.set()
+            for run_id in slot_runs:
+                assert wait_for(d, run_id, timeout=60).status == "completed"
+    finally:
+        go.set()
+
+
+def _text(page: str) -> str:
+    """The page's text with tags dropped and entities decoded, spaces squeezed."""
+    import re
+
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
+
+
+def test_run_pages_say_which_limit_holds_them(parked: dict[str, Any]) -> None:
+    d = parked["durable"]
+    c = TestClient(create_app(d, token=TOKEN))
+    page = c.get(f"/runs/{parked['slot_wait']}")
+    assert page.status_code == 200
+    text = _text(page.text)
+    assert "waiting for a concurrency slot (tenant:A, 2 of 2 in use)" in text
+    assert 'id="why-flow"' in page.text and 'id="run-state">waiting for a concurrency slot<' in page.text
+
+    due = _rows(d, [parked["throttled"]])[parked["throttled"]].due_at
+    page = c.get(f"/runs/{parked['throttled']}")
+    text = _text(page.text)
+    assert f"throttled until {due:%Y-%m-%d %H:%M:%S} UTC (2 per 60s for api:c1)" in text
+    assert 'id="run-state">throttled<' in page.text
+    assert "retry" not in _text(page.text.split('id="why"')[1].split("</section>")[0]).lower()
+
+    state = c.get(f"/api/runs/{parked['slot_wait']}").json()["state"]
+    assert state["label"] == "waiting for a concurrency slot"
+    assert state["flow"]["text"] == "waiting for a concurrency slot (tenant:A, 2 of 2 in use)"
+    assert state["flow"]["key"] == "tenant:A"
+
+
+def test_the_flow_page_lists_each_limits_use_per_key(parked: dict[str, Any]) -> None:
+    c = TestClient(create_app(parked["durable"]))
+    page = c.get("/flow")
+    assert page.status_code == 200
+    assert '<a href="/flow" class="here">Flow</a>' in page.text
+    text = _text(page.text)
+    assert "2 at once per tenant:{tenant}" in text
+    assert "2 begins per 60s per api:{customer}" in text
+    assert "5 starts per 3600s for the whole workflow" in text
+    assert "tenant:A 2 of 2 in use 1" in text  # key, use, runs waiting
+    assert "api:c1 2 of 2 begun in 60s 1" in text
+    assert "the whole workflow 3 of 5 started in 3600s" in text
+
+    only = _text(c.get("/flow?workflow=sync").text)
+    assert "tenant:A" in only and "api:c1" not in only
+    assert c.get("/flow?workflow=nope").status_code == 400
+    assert XSS not in page.text and html.escape(f"tenant:{XSS}") in page.text
+
+    found = c.get("/api/flow").json()
+    (sync,) = [w for w in found["workflows"] if w["workflow"] == "sync"]
+    a, marked = sync["keys"]  # the key with runs waiting first
+    assert (a["kind"], a["key"], a["used"], a["limit"], a["waiting"]) == ("concurrency", "tenant:A", 2, 2, 1)
+    assert a["oldest_waiting"] is not None
+    assert (marked["key"], marked["used"], marked["waiting"]) == (f"tenant:{XSS}", 1, 0)
+
+    options = _text(c.get("/workflows/api").text)
+    assert "throttle 2 begins per 60s per api:{customer}" in options
+    assert "rate_limit 5 starts per 3600s for the whole workflow" in options
+    assert "concurrency -" in options
