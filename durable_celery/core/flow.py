@@ -43,8 +43,11 @@ log = logging.getLogger("durable_celery")
 # of runs, at most this many (a run further back looks again then, and is placed again).
 LINE_BOUND = 1000
 LINE_WINDOWS = 20
-# A run the throttle parks looks again no sooner than this (seconds, or the period if shorter).
+# A run the throttle parks behind runs that may begin now looks again after this (seconds, or
+# the period if shorter); one parked until a place frees looks again just after it frees (the
+# margin covers the database's clock running ahead of this host's).
 MIN_RECHECK = 0.25
+CLOCK_MARGIN = 0.02
 # Keys with parked runs the upkeep looks at per pass.
 KEYS_PER_PASS = 200
 
@@ -155,7 +158,9 @@ def _throttled_until(rt: Runtime, conn: Connection, throttle: FlowLimit, run: An
     ]
     place = ahead  # the runs ahead take the places that free before this run's
     until = frees[place % limit] + timedelta(seconds=period * (place // limit))
-    return max(until, now + timedelta(seconds=min(MIN_RECHECK, period)))
+    if until <= now:  # its place is free, taken by runs ahead that may begin now: look again soon
+        return now + timedelta(seconds=min(MIN_RECHECK, period))
+    return until + timedelta(seconds=CLOCK_MARGIN if db.is_postgres else 0.0)  # SQLite: this clock
 
 
 # -- slots coming free --------------------------------------------------------------------------
