@@ -87,19 +87,19 @@ def claim(rt: Runtime, workflow: Workflow, step: Step, run_id: str, node: str, c
     ``queries.claim_run`` returns it, or None (not claimable, or parked by its limit)."""
     db = rt.db
     woken: list[Any] = []
+    # Compensations run regardless of the limits; the throttle counts a run's first begin.
+    throttle = None if compensate else workflow.throttle
+    slots = None if compensate else workflow.concurrency
     with db.begin() as conn:
-        run = flow_rows.flow_of_run(db, conn, run_id)
+        # The run's row, and its keys' locks (throttle, then slot: every claim takes them in
+        # that order), in one statement.
+        run = flow_rows.lock_run_txn(db, conn, run_id, throttle is not None, slots is not None)
         if run is None:
             return None
-        # Compensations run regardless of the limits; the throttle counts a run's first begin.
-        throttle = workflow.throttle if run.throttle_key is not None and run.started_at is None else None
-        slots = workflow.concurrency if run.slot_key is not None else None
-        if compensate:
-            throttle = slots = None
-        if throttle is not None:
-            flow_rows.lock_key_txn(conn, THROTTLE, run.workflow, run.throttle_key)
-        if slots is not None:
-            flow_rows.lock_key_txn(conn, SLOT, run.workflow, run.slot_key)
+        if run.throttle_key is None or run.started_at is not None:
+            throttle = None
+        if run.slot_key is None:
+            slots = None
         if throttle is not None and _parked_by_throttle(rt, conn, throttle, run, step.index):
             return None
         if slots is not None and _parked_for_slot(rt, conn, slots, run, step.index, woken):
@@ -131,8 +131,7 @@ def _parked_for_slot(
 ) -> bool:
     """True if every slot of ``run``'s key is in use or promised to runs started before it; it
     is then parked, and runs parked longer take any slot that is free (into ``woken``)."""
-    used = flow_rows.slots_in_use_txn(rt.db, conn, run.workflow, run.slot_key, slots.limit)
-    ahead = flow_rows.slot_line_ahead_txn(rt.db, conn, run, slots.limit)
+    used, ahead = flow_rows.slot_line_txn(rt.db, conn, run, slots.limit)
     if used + ahead < slots.limit:
         return False
     if flow_rows.park_txn(rt.db, conn, run.id, step_index, SLOT, None):
@@ -207,8 +206,7 @@ def _fill(rt: Runtime, conn: Connection, workflow: str, slot_key: str, limit: in
     """Under the key's lock: wake the runs parked longest, as many as the slots neither in use
     nor promised to a run already due."""
     db = rt.db
-    used = flow_rows.slots_in_use_txn(rt.db, conn, workflow, slot_key, limit)
-    due = flow_rows.due_unparked_txn(db, conn, workflow, slot_key, limit)
+    used, due = flow_rows.slot_use_txn(db, conn, workflow, slot_key, limit)
     free = limit - used - due
     return flow_rows.wake_parked_txn(db, conn, workflow, slot_key, free) if free > 0 else []
 

@@ -11,7 +11,22 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, DateTime, and_, bindparam, func, or_, select, text, update
+from sqlalchemy import (
+    Connection,
+    DateTime,
+    Text,
+    and_,
+    bindparam,
+    case,
+    cast,
+    func,
+    literal,
+    literal_column,
+    or_,
+    select,
+    text,
+    update,
+)
 
 from .db import Clock, Database
 from .queries import CLAIMABLE
@@ -23,6 +38,17 @@ THROTTLE = "throttle"
 # Columns a woken run's message needs.
 _WOKEN = (runs.c.id, runs.c.workflow, runs.c.step_index, runs.c.attempt, runs.c.key)
 _TIME = DateTime(timezone=True)
+
+# Constants are written into the SQL, not bound: a prepared statement's generic plan can use a
+# partial index whose condition names them (flow_wait = 'slot') only if the query names them too.
+_SLOT_SQL: Any = literal_column(f"'{SLOT}'")
+_THROTTLE_SQL: Any = literal_column(f"'{THROTTLE}'")
+_RUNNING_SQL: Any = literal_column("'running'")
+
+
+def _claimable() -> Any:
+    return runs.c.status.in_([literal_column(f"'{status}'") for status in CLAIMABLE])
+
 
 # Each statement is built once per Database (``db.statement``) and bound per call: a claim under
 # a limit makes several, and building them would cost more than running them.
@@ -36,16 +62,23 @@ def _execute(
     return conn.execute(db.statement(("flow", name), build), values)
 
 
-def _count(
-    db: Database, conn: Connection, name: str, where: Callable[[], list[Any]], params: dict[str, Any]
-) -> int:
-    """How many rows match, counting at most ``params['p_bound']``."""
+def _counted(where: list[Any]) -> Any:
+    """SQL: how many rows match ``where``, counting at most ``p_bound``. A count of the runs
+    started before one (``_before``) reads them oldest first: so a plan made for any values (a
+    prepared statement's generic plan) walks the key's index in start order and stops at the
+    run, rather than scanning the table expecting to meet ``p_bound`` matches early."""
+    inner = select(runs.c.id).where(*where)
+    if any(getattr(condition, "_durable_before", False) for condition in where):
+        inner = inner.order_by(runs.c.created_at)
+    inner_query = inner.limit(bindparam("p_bound")).subquery()
+    return select(func.count()).select_from(inner_query).correlate(None).scalar_subquery()
 
-    def build() -> Any:
-        inner = select(runs.c.id).where(*where()).limit(bindparam("p_bound")).subquery()
-        return select(func.count()).select_from(inner)
 
-    return int(_execute(db, conn, name, build, params).scalar_one())
+def _counts(
+    db: Database, conn: Connection, name: str, build: Callable[[], list[Any]], params: dict[str, Any]
+) -> Any:
+    """Several bounded counts (``build()``: one list of conditions each) in one statement."""
+    return _execute(db, conn, name, lambda: select(*(_counted(where) for where in build())), params).one()
 
 
 def lock_key_txn(conn: Connection, kind: str, workflow: str, key: str) -> None:
@@ -60,25 +93,35 @@ def lock_key_txn(conn: Connection, kind: str, workflow: str, key: str) -> None:
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:scope, 0))")
 
 
-def flow_of_run(db: Database, conn: Connection, run_id: str) -> Any:
-    """The run's flow columns and start order, or None."""
+def lock_run_txn(db: Database, conn: Connection, run_id: str, throttle: bool, slot: bool) -> Any:
+    """The run's flow columns and start order, or None. On PostgreSQL the same statement takes
+    the locks (``lock_key_txn``'s) of its throttle key, if ``throttle`` and it has not begun,
+    then of its slot key, if ``slot``."""
 
     def build() -> Any:
         columns = ("id", "workflow", "slot_key", "throttle_key", "started_at", "created_at", "flow_wait")
-        return select(*(runs.c[c] for c in columns)).where(runs.c.id == bindparam("p_id"))
+        found: list[Any] = [runs.c[c] for c in columns]
+        if db.is_postgres:
+            for kind, column, when in (
+                (THROTTLE, "throttle_key", and_(bindparam("p_throttle"), runs.c.started_at.is_(None))),
+                (SLOT, "slot_key", bindparam("p_slot")),
+            ):
+                scope = literal(f"durable:{kind}:") + runs.c.workflow + literal(":") + runs.c[column]
+                lock = cast(func.pg_advisory_xact_lock(func.hashtextextended(scope, 0)), Text)
+                found.append(case((and_(when, runs.c[column].is_not(None)), lock)).label(f"{kind}_lock"))
+        return select(*found).where(runs.c.id == bindparam("p_id"))
 
-    return _execute(db, conn, "of_run", build, {"p_id": run_id}).first()
+    params = {"p_id": run_id, "p_throttle": throttle, "p_slot": slot}
+    return _execute(db, conn, "lock_run", build, params).first()
 
 
 def _before() -> list[Any]:
     """Started before the run ``p_id`` created at ``p_created`` (start order: created_at, then id)."""
     created: Any = bindparam("p_created", type_=_TIME)
     run_id: Any = bindparam("p_id")
-    return [
-        runs.c.created_at <= created,
-        or_(runs.c.created_at < created, runs.c.id < run_id),
-        runs.c.id != run_id,
-    ]
+    bound = runs.c.created_at <= created
+    bound._durable_before = True  # type: ignore[attr-defined]  # read by _counted
+    return [bound, or_(runs.c.created_at < created, runs.c.id < run_id), runs.c.id != run_id]
 
 
 # The conditions below repeat those of the partial indexes (schema.FLOW_INDEX_SPECS), so the
@@ -96,7 +139,7 @@ def _holding_slot() -> Any:
 
 def _slot_held() -> list[Any]:
     """Steps of the key executing (a compensation holds no slot)."""
-    return [*_of_key("slot_key"), runs.c.locked_by.is_not(None), runs.c.status == "running"]
+    return [*_of_key("slot_key"), runs.c.locked_by.is_not(None), runs.c.status == _RUNNING_SQL]
 
 
 def _slot_idle(db: Database) -> list[Any]:
@@ -106,37 +149,38 @@ def _slot_idle(db: Database) -> list[Any]:
         runs.c.flow_wait.is_(None),
         runs.c.locked_by.is_(None),
         runs.c.finished_at.is_(None),
-        runs.c.status.in_(CLAIMABLE),
+        _claimable(),
         runs.c.due_at <= db.clock_expression("p_now", Clock()),
     ]
 
 
 def _slot_parked() -> list[Any]:
-    return [*_of_key("slot_key"), runs.c.flow_wait == SLOT, runs.c.finished_at.is_(None)]
+    return [*_of_key("slot_key"), runs.c.flow_wait == _SLOT_SQL, runs.c.finished_at.is_(None)]
 
 
 def _key(workflow: str, key: str, bound: int, **more: Any) -> dict[str, Any]:
     return {"p_wf": workflow, "p_key": key, "p_bound": bound, **more}
 
 
-def slots_in_use_txn(db: Database, conn: Connection, workflow: str, key: str, bound: int) -> int:
-    """Steps of the key's runs executing now, counted up to ``bound``."""
-    return _count(db, conn, "held", _slot_held, _key(workflow, key, bound))
+def slot_line_txn(db: Database, conn: Connection, run: Any, bound: int) -> tuple[int, int]:
+    """For ``run``'s slot key: steps holding a slot, and runs started before ``run`` that wait
+    for one (parked, or due and not yet claimed), each counted up to ``bound``."""
+
+    def build() -> list[list[Any]]:
+        return [_slot_held(), [*_slot_parked(), *_before()], [*_slot_idle(db), *_before()]]
+
+    params = _key(run.workflow, run.slot_key, bound, p_created=run.created_at, p_id=run.id, p_now=Clock())
+    held, parked, due = _counts(db, conn, "slot_line", build, params)
+    return int(held), int(parked) + int(due)
 
 
-def slot_line_ahead_txn(db: Database, conn: Connection, run: Any, bound: int) -> int:
-    """Runs of ``run``'s slot key started before it and waiting for a slot (parked, or due and
-    not yet claimed), up to ``bound`` of each."""
-    params = _key(run.workflow, run.slot_key, bound, p_created=run.created_at, p_id=run.id)
-    parked = _count(db, conn, "parked_before", lambda: [*_slot_parked(), *_before()], params)
-    params["p_now"] = Clock()
-    return parked + _count(db, conn, "idle_before", lambda: [*_slot_idle(db), *_before()], params)
-
-
-def due_unparked_txn(db: Database, conn: Connection, workflow: str, key: str, bound: int) -> int:
-    """Runs of the key due for a step and not parked (their messages are on the way), up to
-    ``bound``: they take free slots before any parked run is woken."""
-    return _count(db, conn, "idle", lambda: _slot_idle(db), _key(workflow, key, bound, p_now=Clock()))
+def slot_use_txn(db: Database, conn: Connection, workflow: str, key: str, bound: int) -> tuple[int, int]:
+    """For a slot key: steps holding a slot, and runs due for a step and not parked (their
+    messages are on the way: they take free slots before any parked run is woken), each counted
+    up to ``bound``."""
+    params = _key(workflow, key, bound, p_now=Clock())
+    held, due = _counts(db, conn, "slot_use", lambda: [_slot_held(), _slot_idle(db)], params)
+    return int(held), int(due)
 
 
 def wake_parked_txn(db: Database, conn: Connection, workflow: str, key: str, count: int) -> list[Any]:
@@ -156,7 +200,7 @@ def wake_parked_txn(db: Database, conn: Connection, workflow: str, key: str, cou
         return []
     query = (
         update(runs)
-        .where(runs.c.id.in_(ids), runs.c.flow_wait == SLOT)
+        .where(runs.c.id.in_(ids), runs.c.flow_wait == _SLOT_SQL)
         .values(flow_wait=None, due_at=db.now(), published=True, resends=0, resend_at=None)
         .returning(*_WOKEN)
     )
@@ -231,19 +275,23 @@ def throttle_line_ahead_txn(db: Database, conn: Connection, run: Any, bound: int
     """Runs of ``run``'s throttle key not yet begun, started before it and waiting to begin
     (parked by the throttle, or due now), up to ``bound``."""
 
-    def where() -> list[Any]:
+    def build() -> list[list[Any]]:
         return [
-            *_of_key("throttle_key"),
-            runs.c.started_at.is_(None),
-            runs.c.finished_at.is_(None),
-            runs.c.locked_by.is_(None),
-            runs.c.status.in_(CLAIMABLE),
-            or_(runs.c.flow_wait == THROTTLE, runs.c.due_at <= db.clock_expression("p_now", Clock())),
-            *_before(),
+            [
+                *_of_key("throttle_key"),
+                runs.c.started_at.is_(None),
+                runs.c.finished_at.is_(None),
+                runs.c.locked_by.is_(None),
+                _claimable(),
+                or_(
+                    runs.c.flow_wait == _THROTTLE_SQL, runs.c.due_at <= db.clock_expression("p_now", Clock())
+                ),
+                *_before(),
+            ]
         ]
 
     params = _key(run.workflow, run.throttle_key, bound, p_created=run.created_at, p_id=run.id, p_now=Clock())
-    return _count(db, conn, "throttle_ahead", where, params)
+    return int(_counts(db, conn, "throttle_ahead", build, params)[0])
 
 
 def window_full_since_txn(
@@ -261,7 +309,7 @@ def parked_slot_keys(conn: Connection, limit: int) -> Sequence[Any]:
     """(workflow, slot_key) pairs with runs parked for a slot."""
     query = (
         select(runs.c.workflow, runs.c.slot_key)
-        .where(runs.c.flow_wait == SLOT, runs.c.finished_at.is_(None))
+        .where(runs.c.flow_wait == _SLOT_SQL, runs.c.finished_at.is_(None))
         .group_by(runs.c.workflow, runs.c.slot_key)
         .limit(limit)
     )
