@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -400,3 +401,37 @@ def test_a_backend_told_it_lacks_flow_control_refuses_such_starts(backend):
         assert fake.list_runs() == []
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize("backend", ["postgres", "memory"])
+def test_the_options_work_on_decorated_workflows_and_a_key_may_be_a_callable(durable, monkeypatch):
+    from durable_celery import definition, durable_workflow
+
+    monkeypatch.setattr(definition, "_shared", [])  # the shared workflow stays this test's
+
+    @durable.workflow(rate_limit={"limit": 1, "period": 3600, "key": lambda data: f"acct:{data['n'] % 2}"})
+    def ping(n):
+        return n
+
+    suffix = uuid.uuid4().hex[:8]
+
+    @durable_workflow(
+        f"shared_{suffix}", concurrency={"limit": 1, "key": "{n}"}, throttle={"limit": 5, "period": 1}
+    )
+    def shared(n):
+        return n
+
+    assert ping.rate_limit.key is not None and shared.concurrency.limit == 1
+    durable.start(ping, {"n": 1})
+    durable.start(ping, {"n": 2})  # acct:0: a key of its own
+    with pytest.raises(RateLimited) as refused:
+        durable.start(ping, {"n": 3})  # acct:1 again
+    assert refused.value.key == "acct:1"
+    run_id = shared.start({"n": 7})
+    with durable.db.engine.connect() as conn:
+        row = conn.execute(
+            select(runs.c.slot_key, runs.c.throttle_key, runs.c.rate_key).where(runs.c.id == run_id)
+        ).one()
+    assert tuple(row) == ("7", "", None)  # no throttle key: one window for the whole workflow
+    with worker(durable):
+        assert wait_for(durable, run_id, timeout=30).output == 7
