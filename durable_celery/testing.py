@@ -157,10 +157,15 @@ def worker(
         finally:
             durable.on_new_task.remove(learn_new_tasks)
             worker_state.should_terminate = 0  # what start_worker sets on exit, set first
-            _wake(durable, queues)
+            _wake(durable, queues, controller)
 
 
-def _wake(durable: Durable, queues: list[str] | None) -> None:
+def _wake(durable: Durable, queues: list[str] | None, controller: Any) -> None:
+    # The consumer's event loop (Redis, RabbitMQ) polls its sockets for up to 10 s when no
+    # timer is due sooner: a callback handed to it ends that wait, so it sees the stop at once.
+    hub = getattr(controller, "hub", None)
+    if hub is not None:
+        hub.call_soon(_noop)
     # Transports without push (memory, filesystem) poll with a 2 s timeout, and the consumer
     # loop drains once more after it notices the stop: two messages end both waits at once.
     if durable.app.conf.broker_url.split(":", 1)[0] in ("memory", "filesystem", "durablefs"):

@@ -211,8 +211,23 @@ def rabbitmq() -> Iterator[str]:
 
 
 # The brokers the broker-sensitive tests run on: ``@pytest.mark.parametrize("backend", BROKERS)``
-# gives them PostgreSQL with Redis, then PostgreSQL with RabbitMQ.
+# gives them PostgreSQL with Redis, then PostgreSQL with RabbitMQ (the ``broker_url`` fixture is
+# that broker's URL). A suite that also runs on the embedded default takes BROKERS_AND_SQLITE.
 BROKERS = ["postgres", "rabbitmq"]
+BROKERS_AND_SQLITE = [*BROKERS, "sqlite"]
+# Brokers nothing listens on (port 1), by the backend they stand in for.
+DEAD_BROKERS = {"postgres": "redis://127.0.0.1:1/0", "rabbitmq": "amqp://guest:guest@127.0.0.1:1//"}
+
+
+@pytest.fixture
+def broker_url(backend: str, request: pytest.FixtureRequest) -> str:
+    """The broker of this test's backend: the test Redis ("postgres"), or the session's RabbitMQ
+    vhost ("rabbitmq"); for tests parametrised over BROKERS."""
+    if backend == "rabbitmq":
+        return str(request.getfixturevalue("rabbitmq"))
+    assert backend == "postgres", f"no broker of its own for the backend {backend!r}"
+    request.getfixturevalue("redis_client")
+    return REDIS_URL
 
 
 @pytest.fixture

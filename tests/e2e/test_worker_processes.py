@@ -1,5 +1,7 @@
 """Real `celery worker` processes killed and stopped: crash recovery, graceful shutdown, and a
-worker that lacks a workflow's code. PostgreSQL and Redis; fails (never skips) without them."""
+worker that lacks a workflow's code. PostgreSQL and Redis; a graceful shutdown's hand-back and a
+killed pool process (``WorkerLost``) also on RabbitMQ (BROKERS). Fails (never skips) without
+them."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from celery import Celery
 
 from durable_celery import Durable
 from durable_celery.testing import wait_for
-from tests.conftest import REDIS_URL
+from tests.conftest import BROKERS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,7 +110,13 @@ APP = textwrap.dedent(
 
 
 @pytest.fixture
-def proc_env(pg_url: str, tmp_path: Path, redis_client) -> dict[str, str]:
+def backend() -> str:
+    """PostgreSQL and Redis, unless a test takes ``backend`` from BROKERS."""
+    return "postgres"
+
+
+@pytest.fixture
+def proc_env(pg_url: str, tmp_path: Path, broker_url: str) -> dict[str, str]:
     (tmp_path / "procapp.py").write_text(APP)
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -117,7 +125,7 @@ def proc_env(pg_url: str, tmp_path: Path, redis_client) -> dict[str, str]:
         **env,
         "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
         "PYTHONUNBUFFERED": "1",
-        "BROKER": REDIS_URL,
+        "BROKER": broker_url,
         "QUEUE": f"q-{uuid.uuid4().hex[:8]}",
         "DB": pg_url,
         "MARKS": str(marks),
@@ -173,6 +181,7 @@ def _wait_started(proc_env: dict[str, str], seconds: float = 30) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
+@pytest.mark.parametrize("backend", BROKERS)
 def test_sigterm_hands_a_long_step_back_after_the_grace_period(client, start_worker, proc_env, pool):
     first = start_worker("first", pool, GRACE="2")
     run_id = client.start("job", {"mode": "stubborn"})
@@ -277,6 +286,7 @@ def _wait_file(path: Path, seconds: float) -> str:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BROKERS)
 def test_a_killed_pool_process_uses_an_attempt_and_the_next_one_starts_within_seconds(
     client, start_worker, proc_env
 ):
@@ -298,6 +308,7 @@ def test_a_killed_pool_process_uses_an_attempt_and_the_next_one_starts_within_se
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BROKERS)
 def test_a_pool_process_killed_in_an_inline_step_uses_that_steps_attempt_within_seconds(
     client, start_worker, proc_env
 ):

@@ -1,11 +1,13 @@
 """Helpers the integration tests of several packages share: reading and writing a run's row
-directly, a small workflow to decide keys on, and the records a key decision leaves.
+directly, a small workflow to decide keys on, the records a key decision leaves, and a queue's
+messages on either broker (Redis or RabbitMQ), read through kombu as the relay reads them.
 
 Rows are put in the state a case needs by writing them directly; the code under test reads
 nothing else."""
 
 from __future__ import annotations
 
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -13,6 +15,7 @@ from sqlalchemy import func, select, update
 
 from durable_celery import current_run
 from durable_celery.store.schema import activity, keys, runs
+from durable_celery.worker.relay import broker_depths
 
 # -- a run's row --------------------------------------------------------------------------------
 
@@ -136,3 +139,45 @@ def started_run(durable: Any, wf: Any, seen: Any, data: dict[str, Any], key: str
     assert seen.published == [(wf.name, 0, run_id, 1, key)]
     seen.clear()
     return run_id
+
+
+# -- a queue on the broker (Redis or RabbitMQ) ----------------------------------------------------
+
+
+def queue_depth(app: Any, queue: str) -> int:
+    """Messages the broker holds in ``queue`` (0 when it has no such queue), read as the relay's
+    re-send budget reads it."""
+    depths = broker_depths(app, [queue])
+    assert depths is not None, f"the broker of {app.main} did not answer"
+    return depths[queue]
+
+
+def drop_messages(app: Any, queue: str) -> None:
+    """What a broker that lost its messages looks like: ``queue`` emptied (if it exists)."""
+    with app.connection_for_write() as conn, conn.channel() as channel, suppress(*conn.channel_errors):
+        channel.queue_purge(queue)  # RabbitMQ refuses it for a queue it lacks: nothing to lose
+
+
+def delete_queue(app: Any, queue: str) -> None:
+    """Remove ``queue`` and what it holds from the broker (a test's clean-up)."""
+    drop_messages(app, queue)  # kombu's Redis deletes only a queue this process declared
+    with app.connection_for_write() as conn, conn.channel() as channel, suppress(*conn.channel_errors):
+        channel.queue_delete(queue)
+
+
+def take_messages(app: Any, queue: str) -> list[Any]:
+    """Every message ``queue`` holds, oldest first, taken off it (kombu messages: ``headers``,
+    ``delivery_info``, ``properties``)."""
+    taken = []
+    with app.connection_for_write() as conn, conn.channel() as channel:
+        try:
+            while (raw := channel.basic_get(queue, no_ack=True)) is not None:
+                taken.append(channel.message_to_python(raw))
+        except conn.channel_errors:  # RabbitMQ has no such queue: it holds nothing
+            pass
+    return taken
+
+
+def message_run_id(message: Any) -> str:
+    """The run id a step message carries (its ``kwargsrepr`` header names it first)."""
+    return str(message.headers["kwargsrepr"].split(",")[0].removeprefix("{run_id: "))

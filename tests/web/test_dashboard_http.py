@@ -19,6 +19,7 @@ from durable_celery.testing import wait_for
 from durable_celery.web import actions, create_app
 from durable_celery.web.auth import check_bind
 from durable_celery.web.data import input_diff, parse_search
+from tests.conftest import BROKERS
 
 from .conftest import TOKEN, XSS, Scene
 
@@ -410,6 +411,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.parametrize("backend", BROKERS)  # the worker's node and queues on Redis, RabbitMQ
 def test_queues_page_lists_stale_take_backs_of_the_day(scene: Scene) -> None:
     from datetime import timedelta
 
@@ -430,4 +432,7 @@ def test_queues_page_lists_stale_take_backs_of_the_day(scene: Scene) -> None:
     assert sweep_stale_once(d.runtime)[0] == [scene.held]
     page = client(scene).get("/queues").text
     assert "stale_recovered" in page and scene.held in page and "ghost-node:1" in page
-    assert client(scene).get("/api/queues").json()["recoveries"]["stale_recovered"] == 1
+    shown = client(scene).get("/api/queues").json()
+    assert shown["recoveries"]["stale_recovered"] == 1
+    (queue,) = [q for q in shown["queues"] if q["name"] == scene.queue]
+    assert queue["consumers"] and not queue["no_consumer"]  # the scene's worker, live

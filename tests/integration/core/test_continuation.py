@@ -2,7 +2,8 @@
 
 Messages are counted with Celery's ``before_task_publish`` signal; steps say which thread ran
 them. Every wait polls a condition with a deadline. The last tests run the chain in this thread
-(``run_message``): an outage met on the way, and the task events inline steps send.
+(``run_message``): an outage met on the way, and the task events inline steps send. The tests
+of messages also run on RabbitMQ (BROKERS_AND_SQLITE).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from celery.signals import before_task_publish
 
 from durable_celery import current_run
 from durable_celery.testing import wait_for, worker
+from tests.conftest import BROKERS_AND_SQLITE
 from tests.integration.core.helpers import answer_lost_once
 from tests.integration.helpers import run_row
 
 pytestmark = pytest.mark.timeout(90)
+on_each_broker = pytest.mark.parametrize("backend", BROKERS_AND_SQLITE)
 
 
 class Published:
@@ -67,6 +70,7 @@ def chain_of(durable, name, count, *, queue_of=None, sleep=0.0, **options):
     return wf, ran
 
 
+@on_each_broker
 def test_a_three_step_run_is_one_message_and_one_execution(make_durable, published):
     durable = make_durable()
     wf, ran = chain_of(durable, "inline3", 3)
@@ -89,6 +93,7 @@ def test_inline_steps_zero_publishes_every_step(make_durable, published):
     assert sent.names == ["durable.perstep.s0", "durable.perstep.s1", "durable.perstep.s2"]
 
 
+@on_each_broker
 def test_the_budget_publishes_after_inline_steps(make_durable, published):
     durable = make_durable(inline_steps=2)
     wf, ran = chain_of(durable, "budget6", 6)
@@ -115,6 +120,7 @@ def test_a_long_workflow_does_not_starve_others_on_its_queue(make_durable):
     assert len(long_ran) == 40
 
 
+@on_each_broker
 def test_a_step_on_another_queue_is_published_there(make_durable, published):
     durable = make_durable()
     other = f"other-{uuid.uuid4().hex[:6]}"
@@ -126,6 +132,7 @@ def test_a_step_on_another_queue_is_published_there(make_durable, published):
     assert [i for i, _ in ran] == [0, 1, 2]
 
 
+@on_each_broker
 def test_failure_wait_and_compensation_fall_back_to_messages(make_durable, published):
     durable = make_durable()
     undone = []
@@ -164,6 +171,7 @@ def test_failure_wait_and_compensation_fall_back_to_messages(make_durable, publi
     assert sent.names.count("durable.mixed.b") == 1
 
 
+@on_each_broker
 def test_a_paused_queue_stops_the_chain_and_its_resume_goes_on(make_durable):
     durable = make_durable()
     release = threading.Event()
@@ -332,7 +340,7 @@ def _task_events_of_a_message(durable: Any, run_id: str) -> list[str]:
             pass
 
     with durable.app.connection_for_read() as conn:
-        exchange = get_exchange(conn, name=durable.app.conf.event_exchange)  # fanout on Redis
+        exchange = get_exchange(conn, name=durable.app.conf.event_exchange)  # fanout on Redis, topic on AMQP
         watch = Queue(f"events-{uuid.uuid4().hex[:8]}", exchange, routing_key="task.#", auto_delete=True)
         with Consumer(conn, queues=[watch], callbacks=[note], no_ack=True, accept=["json"]):
             drain(conn, 0.2)  # subscribed before the step runs
@@ -342,6 +350,7 @@ def _task_events_of_a_message(durable: Any, run_id: str) -> list[str]:
     return types
 
 
+@on_each_broker
 def test_a_durable_sends_no_task_events_for_inline_steps_until_its_worker_says_it_sends_them(durable):
     """Guards mutants of durable_celery/core/engine.py that the tests above let through.
 

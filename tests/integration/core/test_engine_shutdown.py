@@ -4,8 +4,9 @@ finds the run taken records nothing; a compensation runs on past the grace perio
 outside a worker signals no process.
 
 Steps run through ``run_message``, as a worker runs a message, in the test's thread, on both
-backends. Written against mutants of durable_celery/core/engine.py that the behaviour tests
-(tests/e2e, with real workers and signals) never reached."""
+backends (the hand-back, whose run the relay sends again, also on RabbitMQ). Written against
+mutants of durable_celery/core/engine.py that the behaviour tests (tests/e2e, with real workers
+and signals) never reached."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ import pytest
 
 from durable_celery import current_run
 from durable_celery.models import aware
+from durable_celery.worker.relay import relay_once
+from tests.conftest import BROKERS_AND_SQLITE
 from tests.integration.core.helpers import take_over_run
-from tests.integration.helpers import run_row
+from tests.integration.helpers import delete_queue, queue_depth, run_row
 
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.parametrize("backend", BROKERS_AND_SQLITE)
 def test_a_step_still_running_when_the_grace_period_ends_is_handed_back(durable):
     wf = durable.workflow("long")
     entered, seen = threading.Event(), {}
@@ -67,6 +71,12 @@ def test_a_step_still_running_when_the_grace_period_ends_is_handed_back(durable)
     assert durable.list_steps(run_id) == []  # no attempt used
     back = durable.activity(kinds=["handed_back"], run_id=run_id)
     assert [(b.details["step"], b.details["node"]) for b in back] == [("slow", durable.engine.node)]
+    # The relay's next pass sends its message again, at once, for the next worker to take.
+    queue = durable.app.conf.task_default_queue
+    delete_queue(durable.app, queue)  # the message this test's run_message stood in for
+    assert relay_once(durable.runtime, durable.app) == 1 and run_row(durable, run_id).published is True
+    assert queue_depth(durable.app, queue) == 1
+    delete_queue(durable.app, queue)
 
 
 def _slow_step(durable: Any, name: str, log: Any = None) -> tuple[Any, threading.Event]:

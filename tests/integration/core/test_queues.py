@@ -1,4 +1,5 @@
-"""Queues: pause and resume on every worker, the claim-time check, queue stats, nodes, samples."""
+"""Queues: pause and resume on every worker, the claim-time check, queue stats, nodes, samples.
+Pause and resume with workers also run on RabbitMQ (BROKERS)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from durable_celery.store import node_rows
 from durable_celery.store.db import utcnow
 from durable_celery.store.schema import queue_samples, runs
 from durable_celery.testing import wait_for, worker
+from tests.conftest import BROKERS, BROKERS_AND_SQLITE
+from tests.integration.helpers import drop_messages
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +52,7 @@ def node_queues(durable):
     return {n["name"]: n["queues"] for n in durable.list_nodes()}
 
 
-@pytest.mark.parametrize("backend", ["postgres"])
+@pytest.mark.parametrize("backend", BROKERS)
 def test_pause_and_resume_apply_on_two_workers(make_durable):
     queue = f"slow-{uuid.uuid4().hex[:6]}"
     ran = []
@@ -101,6 +104,7 @@ def test_pause_and_resume_apply_on_two_workers(make_durable):
     assert kinds == ["queue_resumed", "queue_paused"]
 
 
+@pytest.mark.parametrize("backend", BROKERS_AND_SQLITE)
 def test_pause_holds_the_next_step_of_a_run_already_going(make_durable):
     durable = make_durable()
     queue = f"late-{uuid.uuid4().hex[:6]}"
@@ -306,6 +310,7 @@ def test_cli_queues_pause_resume_and_nodes(durable, tmp_path):
     assert durable.get_run(run_id).status == "pending"
 
 
+@pytest.mark.parametrize("backend", BROKERS_AND_SQLITE)
 def test_a_ready_compensation_of_a_paused_queue_is_counted_ready_and_sent_again_on_resume(make_durable):
     durable = make_durable()
     queue = f"undo-{uuid.uuid4().hex[:6]}"
@@ -339,8 +344,7 @@ def test_a_ready_compensation_of_a_paused_queue_is_counted_ready_and_sent_again_
         assert stats["waiting"] == 0 and stats["running"] == 0 and stats["oldest_ready_at"] is not None
         assert durable.status_summary()["ready_by_workflow"].get(wf.name) == 1  # the backlog too
         # Its message is gone, as when a worker took it during the pause and dropped it.
-        with durable.app.connection_for_write() as conn:
-            conn.default_channel.queue_purge(queue)
+        drop_messages(durable.app, queue)
         assert durable.get_run(run_id).status == "compensating" and refunded == []
         assert durable.resume_queue(queue) == 1
         # Sent again at the relay's next pass, not after relay_after (30s here).

@@ -1,4 +1,5 @@
-"""``durable doctor`` and ``durable status`` on stuck state made for real, and ``--fix``."""
+"""``durable doctor`` and ``durable status`` on stuck state made for real, and ``--fix``; a queue
+no worker consumes (``no_consumer``) on each of BROKERS (Redis, RabbitMQ)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from durable_celery.store import event_rows, queries
 from durable_celery.store.db import utcnow
 from durable_celery.store.schema import nodes, runs, schedules
 from durable_celery.testing import wait_for, worker
-from tests.conftest import REDIS_URL
+from tests.conftest import BROKERS
 
 pytestmark = pytest.mark.timeout(120)
 postgres_only = pytest.mark.parametrize("backend", ["postgres"])  # the CLI and Redis
@@ -106,7 +107,7 @@ def cli(durable, tmp_path):
         + textwrap.dedent(f"""
         from celery import Celery
         from durable_celery import Durable
-        app = Celery("doctorapp", broker={REDIS_URL!r})
+        app = Celery("doctorapp", broker={durable.app.conf.broker_url!r})
         app.conf.task_default_queue = {queue!r}
         durable = Durable(app, {durable.db.url!r}, upkeep=False)
         define(durable)
@@ -293,7 +294,7 @@ def test_doctor_finds_a_run_again_run_whose_holder_ended_without_handing_it_the_
     assert (finding.kind, finding.run_id) == ("waiting_unwakeable", waiting)
 
 
-@postgres_only
+@pytest.mark.parametrize("backend", BROKERS)
 def test_ready_runs_on_a_queue_no_worker_consumes_are_a_finding(durable, cli):
     slow = f"slow-{uuid.uuid4().hex[:6]}"
     wf = durable.workflow("report")

@@ -1,4 +1,5 @@
-"""The transactional outbox: a committed start is never lost, whatever the broker did."""
+"""The transactional outbox: a committed start is never lost, whatever the broker did. The tests
+of the broker run on each of BROKERS (Redis, RabbitMQ)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ from celery import Celery
 
 from durable_celery import Durable, RunNotFound
 from durable_celery.testing import wait_for, worker
-from tests.conftest import FAST, REDIS_URL
+from tests.conftest import BROKERS, DEAD_BROKERS, FAST, REDIS_URL
+from tests.integration.helpers import delete_queue, drop_messages, queue_depth
 
 pytestmark = [pytest.mark.timeout(60)]
-
-DEAD_BROKER = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 
 
 def define(durable: Durable) -> None:
@@ -35,50 +35,55 @@ def make(url: str, broker: str, queue: str, **settings) -> Durable:
     return durable
 
 
-def test_start_while_broker_is_down_completes_once_it_is_back(pg_url, redis_client):
-    producer = make(pg_url, DEAD_BROKER, "outbox-a", publish_retries=0)
+@pytest.mark.parametrize("backend", BROKERS)
+def test_start_while_broker_is_down_completes_once_it_is_back(pg_url, backend, broker_url):
+    producer = make(pg_url, DEAD_BROKERS[backend], "outbox-a", publish_retries=0)
     run_id = producer.start("ship", {"order": 42})  # commits; the publish fails
     run = producer.get_run(run_id)
     assert run.status == "pending"
-    consumer = make(pg_url, REDIS_URL, "outbox-a")
+    consumer = make(pg_url, broker_url, "outbox-a")
     with worker(consumer):
         done = wait_for(consumer, run_id, timeout=20)
     assert done.status == "completed" and done.output == "sent 42"
     assert [s.name for s in consumer.list_steps(run_id)] == ["pack", "send"]
 
 
-def test_committed_start_whose_message_was_lost_is_relayed(pg_url, redis_client):
-    producer = make(pg_url, REDIS_URL, "outbox-b")
+@pytest.mark.parametrize("backend", BROKERS)
+def test_committed_start_whose_message_was_lost_is_relayed(pg_url, broker_url):
+    producer = make(pg_url, broker_url, "outbox-b")
     run_id = producer.start("ship", {"order": 7})
     assert producer.flush(timeout=10)  # the message left from the background publisher
-    assert redis_client.llen("outbox-b") == 1
-    redis_client.delete("outbox-b")  # the broker lost it (a restart without persistence)
-    consumer = make(pg_url, REDIS_URL, "outbox-b", relay_after=1.0)
+    assert queue_depth(producer.app, "outbox-b") == 1
+    drop_messages(producer.app, "outbox-b")  # the broker lost it (a restart without persistence)
+    consumer = make(pg_url, broker_url, "outbox-b", relay_after=1.0)
     with worker(consumer):
         done = wait_for(consumer, run_id, timeout=20)
     assert done.status == "completed" and done.output == "sent 7"
 
 
-def test_nothing_is_published_for_a_rolled_back_start(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_nothing_is_published_for_a_rolled_back_start(pg_url, broker_url):
     from sqlalchemy import create_engine
 
-    durable = make(pg_url, REDIS_URL, "outbox-c")
+    durable = make(pg_url, broker_url, "outbox-c")
     engine = create_engine(durable.db.url)
     with engine.connect() as conn:
         trans = conn.begin()
         run_id = durable.start("ship", {"order": 1}, connection=conn)
         trans.rollback()
-    assert redis_client.llen("outbox-c") == 0
+    assert durable.flush(timeout=10) and queue_depth(durable.app, "outbox-c") == 0
     with pytest.raises(RunNotFound):
         durable.get_run(run_id)
     engine.dispose()
+    delete_queue(durable.app, "outbox-c")
 
 
-def test_start_inside_callers_transaction_runs_after_commit(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_start_inside_callers_transaction_runs_after_commit(pg_url, broker_url):
     from sqlalchemy import create_engine, text
     from sqlalchemy.orm import Session
 
-    durable = make(pg_url, REDIS_URL, "outbox-d")
+    durable = make(pg_url, broker_url, "outbox-d")
     engine = create_engine(durable.db.url)
     with engine.begin() as conn:
         conn.execute(text("CREATE TABLE orders (id int primary key)"))
@@ -86,7 +91,8 @@ def test_start_inside_callers_transaction_runs_after_commit(pg_url, redis_client
         with engine.connect() as conn, conn.begin():
             conn.execute(text("INSERT INTO orders VALUES (1)"))
             in_conn = durable.start("ship", {"order": 1}, connection=conn)
-            assert redis_client.llen("outbox-d") == 0  # nothing published before commit
+            assert durable.flush(timeout=10)
+            assert queue_depth(durable.app, "outbox-d") == 0  # nothing published before commit
             with pytest.raises(RunNotFound):
                 durable.get_run(in_conn)
         with Session(engine) as session:

@@ -1,10 +1,10 @@
 """The background publisher (publisher.py): a start's message leaves from a thread of the
 producer's, promptly, looking as before; what it cannot send is flagged for the relay; a process
-that exits, or forks, loses nothing and sends nothing twice. PostgreSQL and Redis."""
+that exits, or forks, loses nothing and sends nothing twice. PostgreSQL, and Redis or RabbitMQ
+(the tests of what the broker receives run on each of BROKERS)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,11 +20,10 @@ from sqlalchemy import select
 from durable_celery import Durable
 from durable_celery.store.schema import runs
 from durable_celery.testing import wait_for, worker
-from tests.conftest import FAST, REDIS_URL
+from tests.conftest import BROKERS, DEAD_BROKERS, FAST, REDIS_URL
+from tests.integration.helpers import delete_queue, message_run_id, take_messages
 
 pytestmark = [pytest.mark.timeout(90)]
-
-DEAD_BROKER = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 # No relay pass can be what sends a run here: it would wait this long for a lost message.
 NO_RELAY = {**FAST, "relay_after": 600.0}
 
@@ -70,9 +69,10 @@ def published_flags(durable: Durable, run_ids: list[str]) -> list[bool]:
         return list(conn.execute(select(runs.c.published).where(runs.c.id.in_(run_ids))).scalars())
 
 
-def test_a_start_is_claimed_promptly_with_no_relay_to_help(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_start_is_claimed_promptly_with_no_relay_to_help(pg_url, broker_url):
     queue = queue_name()
-    durable = make(pg_url, REDIS_URL, queue)
+    durable = make(pg_url, broker_url, queue)
     with worker(durable, queues=[queue]):
         lone = durable.start("ship", {"order": 1}, key="lone")
         assert claimed_within(durable, [lone], 5.0) < 5.0
@@ -80,46 +80,50 @@ def test_a_start_is_claimed_promptly_with_no_relay_to_help(pg_url, redis_client)
         burst = [durable.start("ship", {"order": n}, key=f"burst-{n}") for n in range(200)]
         claimed_within(durable, burst, 20.0)
         assert all(wait_for(durable, run_id).status == "completed" for run_id in [lone, *burst])
-    redis_client.delete(queue)
+    delete_queue(durable.app, queue)
     durable.db.dispose()
 
 
-def test_a_background_message_is_the_message_a_synchronous_publish_sends(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_background_message_is_the_message_a_synchronous_publish_sends(pg_url, broker_url):
     queue = queue_name()
-    background = make(pg_url, REDIS_URL, queue)
-    synchronous = make(pg_url, REDIS_URL, queue, publish_in_background=False)
+    background = make(pg_url, broker_url, queue)
+    synchronous = make(pg_url, broker_url, queue, publish_in_background=False)
     first = background.start("ship", {"order": 1}, key="a")
     assert background.flush(timeout=10)
     second = synchronous.start("ship", {"order": 2}, key="b")
-    messages = [json.loads(raw) for raw in reversed(redis_client.lrange(queue, 0, -1))]
+    messages = take_messages(background.app, queue)
     assert len(messages) == 2
     for message, run_id, key in zip(messages, (first, second), ("a", "b"), strict=True):
-        headers = message["headers"]
+        headers = message.headers
         assert headers["task"] == "durable.ship.pack"
         assert headers["argsrepr"] == "()"
         assert headers["kwargsrepr"] == f"{{run_id: {run_id}, key: {key!r}, step: pack, attempt: 1}}"
         assert headers["ignore_result"] is True
         assert headers["origin"] == anon_nodename()  # gen<pid>@host, as Celery names a sender
-        assert message["properties"]["delivery_info"]["routing_key"] == queue
+        assert message.delivery_info["routing_key"] == queue
     shapes = [
-        {k: v for k, v in m["headers"].items() if k not in ("id", "root_id", "kwargsrepr")} for m in messages
+        {k: v for k, v in m.headers.items() if k not in ("id", "root_id", "kwargsrepr")} for m in messages
     ]
     assert shapes[0] == shapes[1]
-    redis_client.delete(queue)
+    delete_queue(background.app, queue)
     background.db.dispose()
     synchronous.db.dispose()
 
 
-def test_what_the_broker_refuses_is_flagged_for_the_relay_and_sent_when_it_is_back(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_what_the_broker_refuses_is_flagged_for_the_relay_and_sent_when_it_is_back(
+    pg_url, backend, broker_url
+):
     queue = queue_name()
-    producer = make(pg_url, DEAD_BROKER, queue, publish_retries=0)
+    producer = make(pg_url, DEAD_BROKERS[backend], queue, publish_retries=0)
     run_ids = [producer.start("ship", {"order": n}) for n in range(5)]
     assert producer.flush(timeout=20)
     assert published_flags(producer, run_ids) == [False] * 5  # the relay's to send
-    consumer = make(pg_url, REDIS_URL, queue)
+    consumer = make(pg_url, broker_url, queue)
     with worker(consumer, queues=[queue]):
         assert all(wait_for(consumer, run_id, timeout=20).status == "completed" for run_id in run_ids)
-    redis_client.delete(queue)
+    delete_queue(consumer.app, queue)
     producer.db.dispose()
     consumer.db.dispose()
 
@@ -137,43 +141,45 @@ durable.workflow("ship").step(lambda order: order, name="pack")
 """
 
 
-def run_script(pg_url: str, queue: str, body: str) -> list[str]:
-    env = {**os.environ, "BROKER": REDIS_URL, "QUEUE": queue, "DB": pg_url}
+def run_script(pg_url: str, broker: str, queue: str, body: str) -> list[str]:
+    env = {**os.environ, "BROKER": broker, "QUEUE": queue, "DB": pg_url}
     code = SCRIPT.format(body=textwrap.dedent(body))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 
 
-def sent_run_ids(redis_client, queue: str) -> list[str]:
-    """The run ids of the messages in ``queue``."""
-    return [
-        json.loads(raw)["headers"]["kwargsrepr"].split(",")[0].removeprefix("{run_id: ")
-        for raw in redis_client.lrange(queue, 0, -1)
-    ]
+def sent_run_ids(app: Celery, queue: str) -> list[str]:
+    """The run ids of the messages in ``queue``, oldest first (taken off it)."""
+    return [message_run_id(message) for message in take_messages(app, queue)]
 
 
-def test_a_process_that_exits_right_after_starting_sends_its_messages(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_process_that_exits_right_after_starting_sends_its_messages(pg_url, broker_url):
     queue = queue_name()
     started = run_script(
         pg_url,
+        broker_url,
         queue,
         """
         for n in range(50):
             print(durable.start("ship", {"order": n}, key=f"k{n}"))
         """,
     )
-    assert sorted(sent_run_ids(redis_client, queue)) == sorted(started)
-    redis_client.delete(queue)
+    reader = Celery("reader", broker=broker_url)
+    assert sorted(sent_run_ids(reader, queue)) == sorted(started)
+    delete_queue(reader, queue)
 
 
-def test_a_forked_child_sends_its_own_messages_and_never_its_parents(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_forked_child_sends_its_own_messages_and_never_its_parents(pg_url, broker_url):
     queue = queue_name()
     # The parent queues messages and forks at once (its thread may not have sent them yet);
     # a plain os.fork child exits with sys.exit (atexit), a multiprocessing child with os._exit
     # after its finalizers. Each message goes out exactly once.
     started = run_script(
         pg_url,
+        broker_url,
         queue,
         """
         import multiprocessing
@@ -197,20 +203,20 @@ def test_a_forked_child_sends_its_own_messages_and_never_its_parents(pg_url, red
     parent_pid, fork_pid, mp_pid = started[-3:]
     started = started[:-3]
     assert len(started) == 22
-    sent = sent_run_ids(redis_client, queue)
-    assert sorted(sent) == sorted(started)  # every one, none twice
+    reader = Celery("reader", broker=broker_url)
+    messages = take_messages(reader, queue)
+    assert sorted(message_run_id(m) for m in messages) == sorted(started)  # every one, none twice
     # Each message names the process that sent it as Celery does ("gen<pid>@host").
-    headers = [json.loads(raw)["headers"] for raw in redis_client.lrange(queue, 0, -1)]
-    origins = {h["kwargsrepr"].split(",")[0].removeprefix("{run_id: "): h["origin"] for h in headers}
-    origins = {run_id: origin.split("@")[0] for run_id, origin in origins.items()}
+    origins = {message_run_id(m): m.headers["origin"].split("@")[0] for m in messages}
     assert origins[started[0]] == f"gen{fork_pid}" and origins[started[1]] == f"gen{mp_pid}"
     assert {origins[run_id] for run_id in started[2:]} == {f"gen{parent_pid}"}
-    redis_client.delete(queue)
+    delete_queue(reader, queue)
 
 
-def test_a_send_made_now_survives_its_threads_broken_connection(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_send_made_now_survives_its_threads_broken_connection(pg_url, broker_url):
     queue = queue_name()
-    durable = make(pg_url, REDIS_URL, queue, publish_in_background=False)
+    durable = make(pg_url, broker_url, queue, publish_in_background=False)
     first = durable.start("ship", {"order": 1})  # sent now, on a producer this thread holds
     held = durable.publisher._thread_producer()
 
@@ -220,18 +226,19 @@ def test_a_send_made_now_survives_its_threads_broken_connection(pg_url, redis_cl
     held.producer.publish = broken
     second = durable.start("ship", {"order": 2})  # sent again through send_task's retries
     third = durable.start("ship", {"order": 3})
-    assert sorted(sent_run_ids(redis_client, queue)) == sorted([first, second, third])  # each once
+    assert sorted(sent_run_ids(durable.app, queue)) == sorted([first, second, third])  # each once
     assert published_flags(durable, [first, second, third]) == [True] * 3
     assert durable.publisher._thread_producer() is not held  # a new one replaced it
-    redis_client.delete(queue)
+    delete_queue(durable.app, queue)
     durable.db.dispose()
 
 
-def test_a_next_step_sent_by_a_worker_names_the_task_that_sent_it(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_next_step_sent_by_a_worker_names_the_task_that_sent_it(pg_url, broker_url):
     from celery.signals import before_task_publish
 
     queue = queue_name()
-    durable = make(pg_url, REDIS_URL, queue, inline_steps=0)
+    durable = make(pg_url, broker_url, queue, inline_steps=0)
     two = durable.workflow("two")
     two.step(lambda: 1, name="one")
     two.step(lambda: 2, name="two")
@@ -252,7 +259,7 @@ def test_a_next_step_sent_by_a_worker_names_the_task_that_sent_it(pg_url, redis_
     assert (first["task"], second["task"]) == ("durable.two.one", "durable.two.two")
     assert second["parent_id"] == first["id"]  # Flower links the step to the one that sent it
     assert second["root_id"] == first["id"]
-    redis_client.delete(queue)
+    delete_queue(durable.app, queue)
     durable.db.dispose()
 
 
@@ -279,8 +286,8 @@ def test_a_starts_message_leaves_from_the_publisher_thread_unless_told_otherwise
     finally:
         before_task_publish.disconnect(note)
     assert threads == (["durable-publisher"] if background else [threading.current_thread().name])
-    assert sent_run_ids(redis_client, queue) == [run_id]
-    redis_client.delete(queue)
+    assert sent_run_ids(durable.app, queue) == [run_id]
+    delete_queue(durable.app, queue)
     durable.db.dispose()
 
 
@@ -302,11 +309,11 @@ def test_an_idle_publisher_thread_ends_and_the_next_start_brings_another(pg_url,
     second = durable.publisher._thread
     assert second is not None and second is not first
     assert durable.flush(timeout=10)
-    assert sorted(sent_run_ids(redis_client, queue)) == sorted([first_run, second_run])
+    assert sorted(sent_run_ids(durable.app, queue)) == sorted([first_run, second_run])
     second.join(timeout=10)
     assert not second.is_alive()
     # With its thread gone, nothing of this process keeps a discarded Durable alive.
-    redis_client.delete(queue)
+    delete_queue(durable.app, queue)
     durable.db.dispose()
     gone = weakref.ref(durable.publisher)
     del durable
@@ -315,9 +322,10 @@ def test_an_idle_publisher_thread_ends_and_the_next_start_brings_another(pg_url,
     assert gone() is None
 
 
-def test_a_steady_stream_goes_out_in_batches_and_a_lone_start_at_once(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_steady_stream_goes_out_in_batches_and_a_lone_start_at_once(pg_url, broker_url):
     queue = queue_name()
-    durable = make(pg_url, REDIS_URL, queue, publish_linger=1.0)  # long, so the test reads it plainly
+    durable = make(pg_url, broker_url, queue, publish_linger=1.0)  # long, so the test reads it plainly
     sizes: list[tuple[float, int]] = []
     send = durable.publisher._send_batch
 
@@ -335,8 +343,8 @@ def test_a_steady_stream_goes_out_in_batches_and_a_lone_start_at_once(pg_url, re
     stream = [durable.start("ship", {"order": n}, key=f"s-{n}") for n in range(1, 31)]
     assert durable.flush(timeout=10)
     assert sum(n for _, n in sizes[1:]) == 30 and len(sizes) - 1 <= 3  # they shared round trips
-    assert sorted(sent_run_ids(redis_client, queue)) == sorted([lone, *stream])
-    redis_client.delete(queue)
+    assert sorted(sent_run_ids(durable.app, queue)) == sorted([lone, *stream])
+    delete_queue(durable.app, queue)
     durable.db.dispose()
 
 

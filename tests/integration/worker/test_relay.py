@@ -1,7 +1,7 @@
 """The relay under trouble: re-sends that do not compound, and a broker outage that ties up
-neither the relay nor the sweeps (PostgreSQL and Redis); then the relay's statements exactly
-(which runs a pass sends or sends again, and when; batches; runs another relay holds), on both
-backends where they can run there."""
+neither the relay nor the sweeps (PostgreSQL, on each of BROKERS: Redis and RabbitMQ); then the
+relay's statements exactly (which runs a pass sends or sends again, and when; batches; runs
+another relay holds), on both backends where they can run there."""
 
 from __future__ import annotations
 
@@ -22,12 +22,19 @@ from durable_celery.store.db import utcnow
 from durable_celery.store.schema import nodes, runs
 from durable_celery.worker.relay import BrokerDown, relay_once
 from durable_celery.worker.upkeep import Upkeep
-from tests.conftest import FAST, REDIS_URL
-from tests.integration.helpers import Steps, ago, one_step, run_row, set_run
+from tests.conftest import BROKERS, DEAD_BROKERS, FAST
+from tests.integration.helpers import (
+    Steps,
+    ago,
+    delete_queue,
+    drop_messages,
+    one_step,
+    queue_depth,
+    run_row,
+    set_run,
+)
 
 pytestmark = [pytest.mark.timeout(90)]
-
-DEAD_BROKER = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 
 
 def make(url: str, broker: str, queue: str, **settings) -> Durable:
@@ -73,34 +80,36 @@ def live_node(durable: Durable, queues: list[str]) -> None:
         )
 
 
+@pytest.mark.parametrize("backend", BROKERS)
 def test_a_lost_message_is_sent_again_at_doubling_intervals_and_never_beside_its_queued_copy(
-    pg_url, redis_client
+    pg_url, broker_url
 ):
     queue = f"relay-{uuid.uuid4().hex[:8]}"
-    durable = make(pg_url, REDIS_URL, queue, relay_after=0.5)
+    durable = make(pg_url, broker_url, queue, relay_after=0.5)
+    app = durable.app
     live_node(durable, [queue])
     run_id = durable.start("ship", {"order": 1})
     assert durable.flush(timeout=10)  # the message left from the background publisher
     due_at = relay_state(durable, run_id).due_at
-    assert redis_client.llen(queue) == 1
+    assert queue_depth(app, queue) == 1
     assert relay_once(durable.runtime, durable.app) == 0  # not relay_after old yet
     time.sleep(0.6)
     # Its message still waits in the queue (a backlog): nothing is re-sent, the relay looks later.
-    assert relay_once(durable.runtime, durable.app) == 0 and redis_client.llen(queue) == 1
+    assert relay_once(durable.runtime, durable.app) == 0 and queue_depth(app, queue) == 1
     looked = relay_state(durable, run_id)
     assert looked.resends == 0 and looked.resend_at is not None and looked.due_at == due_at
 
-    redis_client.delete(queue)  # the broker lost it
+    drop_messages(app, queue)  # the broker lost it
     wait_past(durable, looked.resend_at)
     before = db_now(durable)
-    assert relay_once(durable.runtime, durable.app) == 1 and redis_client.llen(queue) == 1
+    assert relay_once(durable.runtime, durable.app) == 1 and queue_depth(app, queue) == 1
     after = db_now(durable)
     sent = relay_state(durable, run_id)
     assert sent.resends == 1 and sent.due_at == due_at  # the run's age still counts from its due time
     # The next re-send waits twice as long: 1 s from this one, on the database's clock.
     assert before + timedelta(seconds=1) <= sent.resend_at <= after + timedelta(seconds=1)
 
-    redis_client.delete(queue)
+    drop_messages(app, queue)
     assert relay_once(durable.runtime, durable.app) == 0  # lost again, but not due again yet
     wait_past(durable, sent.resend_at)
     before = db_now(durable)
@@ -112,16 +121,17 @@ def test_a_lost_message_is_sent_again_at_doubling_intervals_and_never_beside_its
     # A queue no live worker consumes gets nothing again: its message waits there for one.
     with durable.db.begin() as conn:
         conn.execute(update(nodes).values(queues=["elsewhere"]))
-    redis_client.delete(queue)
+    drop_messages(app, queue)
     time.sleep(2.2)
-    assert relay_once(durable.runtime, durable.app) == 0 and redis_client.llen(queue) == 0
+    assert relay_once(durable.runtime, durable.app) == 0 and queue_depth(app, queue) == 0
     assert durable.status_summary()["oldest_ready_seconds"] >= 4.0  # due since the start
-    redis_client.delete(queue)
+    delete_queue(app, queue)
     durable.db.dispose()
 
 
-def test_a_relay_pass_stops_at_the_first_refused_message(pg_url):
-    durable = make(pg_url, DEAD_BROKER, "relay-down", publish_retries=0)
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_relay_pass_stops_at_the_first_refused_message(pg_url, backend):
+    durable = make(pg_url, DEAD_BROKERS[backend], "relay-down", publish_retries=0)
     ids = [durable.start("ship", {"order": n}) for n in range(30)]
     assert durable.flush(timeout=10)  # each publish failed: the runs are flagged for the relay
     assert not any(relay_state(durable, i).published for i in ids)
@@ -133,12 +143,13 @@ def test_a_relay_pass_stops_at_the_first_refused_message(pg_url):
     durable.db.dispose()
 
 
-def test_a_probe_pass_during_an_outage_writes_one_row_not_a_batch(pg_url):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_probe_pass_during_an_outage_writes_one_row_not_a_batch(pg_url, backend):
     """After a refusal the relay probes with one run: a pass of an outage takes one row and
     flags it back, where a full pass takes a batch and flags it all back."""
     from sqlalchemy import event
 
-    durable = make(pg_url, DEAD_BROKER, "relay-probe", publish_retries=0)
+    durable = make(pg_url, DEAD_BROKERS[backend], "relay-probe", publish_retries=0)
     ids = [durable.start("ship", {"order": n}) for n in range(30)]
     assert durable.flush(timeout=10)
     updated: list[int] = []
@@ -162,21 +173,24 @@ def test_a_probe_pass_during_an_outage_writes_one_row_not_a_batch(pg_url):
     durable.db.dispose()
 
 
-def test_a_probe_that_goes_through_sends_the_rest_in_the_same_pass(pg_url, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_probe_that_goes_through_sends_the_rest_in_the_same_pass(pg_url, broker_url):
     queue = f"relay-probe-ok-{uuid.uuid4().hex[:6]}"
-    durable = make(pg_url, REDIS_URL, queue, publish_in_background=False)
+    durable = make(pg_url, broker_url, queue, publish_in_background=False)
     ids = [durable.start("ship", {"order": n}) for n in range(7)]
     with durable.db.begin() as conn:
         conn.execute(update(runs).where(runs.c.id.in_(ids)).values(published=False))
     assert relay_once(durable.runtime, durable.app, probe=True) == 7
     assert all(relay_state(durable, i).published for i in ids)
-    redis_client.delete(queue)
+    assert queue_depth(durable.app, queue) == 14  # each run's first message, then the relay's
+    delete_queue(durable.app, queue)
     durable.db.dispose()
 
 
-def test_a_broker_outage_starves_neither_the_sweep_nor_the_node_heartbeat(pg_url):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_broker_outage_starves_neither_the_sweep_nor_the_node_heartbeat(pg_url, backend):
     # Default publish retries: each refused publish blocks about a second, as in production.
-    durable = make(pg_url, DEAD_BROKER, "relay-outage", sweep_interval=0.5, stale_lock_timeout=2.0)
+    durable = make(pg_url, DEAD_BROKERS[backend], "relay-outage", sweep_interval=0.5, stale_lock_timeout=2.0)
     rows = [
         {
             "id": str(uuid.uuid4()),
@@ -237,31 +251,29 @@ def test_a_start_on_a_bare_connection_flags_only_its_own_run_for_the_relay(durab
     assert run_row(durable, sent).published is True
 
 
-@pytest.mark.parametrize("backend", ["postgres"])  # the broker's queue depth: Redis
-def test_a_lost_message_is_sent_again_only_relay_after_its_run_became_due(make_durable, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)  # the broker's queue depth: Redis, RabbitMQ
+def test_a_lost_message_is_sent_again_only_relay_after_its_run_became_due(make_durable):
     """Guards mutants of durable_celery/store/queries.py (the relay's statements) that the tests
     above let through."""
     from durable_celery.worker.relay import relay_once
 
     durable = make_durable(relay_after=30)
     one_step(durable, "shipped")
-    queue = durable.app.conf.task_default_queue
+    app, queue = durable.app, durable.app.conf.task_default_queue
     run_id = durable.start("shipped")
-    assert durable.flush(timeout=10) and redis_client.llen(queue) == 1
-    redis_client.delete(queue)  # lost at once
+    assert durable.flush(timeout=10) and queue_depth(app, queue) == 1
+    drop_messages(app, queue)  # lost at once
     try:
-        assert (
-            relay_once(durable.runtime, durable.app) == 0 and redis_client.llen(queue) == 0
-        )  # too soon to tell
+        assert relay_once(durable.runtime, app) == 0 and queue_depth(app, queue) == 0  # too soon to tell
         set_run(durable, run_id, due_at=ago(durable, 31))
-        assert relay_once(durable.runtime, durable.app) == 1 and redis_client.llen(queue) == 1
+        assert relay_once(durable.runtime, app) == 1 and queue_depth(app, queue) == 1
         assert run_row(durable, run_id).resends == 1
     finally:
-        redis_client.delete(queue)
+        delete_queue(app, queue)
 
 
-@pytest.mark.parametrize("backend", ["postgres"])  # the broker's queue depth: Redis
-def test_only_sent_unclaimed_runs_of_this_build_count_against_the_messages_queued(make_durable, redis_client):
+@pytest.mark.parametrize("backend", BROKERS)  # the broker's queue depth: Redis, RabbitMQ
+def test_only_sent_unclaimed_runs_of_this_build_count_against_the_messages_queued(make_durable):
     """Guards mutants of durable_celery/store/queries.py (the relay's statements) that the tests
     above let through.
 
@@ -275,26 +287,26 @@ def test_only_sent_unclaimed_runs_of_this_build_count_against_the_messages_queue
     one_step(ours, "shipped")
     theirs = make_durable("theirs", relay_after=0.5)
     one_step(theirs, "not_ours")
-    queue = ours.app.conf.task_default_queue
+    app, queue = ours.app, ours.app.conf.task_default_queue
     lost = theirs.start("not_ours")
     ended = ours.start("shipped")
     assert theirs.flush(timeout=10) and ours.flush(timeout=10)
-    redis_client.delete(queue)  # the broker lost both messages
+    drop_messages(app, queue)  # the broker lost both messages
     set_run(ours, ended, status="cancelled", finished_at=ours.db.utcnow())  # its due_at left behind
     with ours.db.engine.begin() as conn:
         unsent = ours.start("shipped", connection=conn)  # flagged for the relay
     queued = ours.start("shipped")
-    assert ours.flush(timeout=10) and redis_client.llen(queue) == 1
+    assert ours.flush(timeout=10) and queue_depth(app, queue) == 1
     for run_id in (lost, ended, unsent, queued):  # due long enough to be looked at again
         set_run(ours, run_id, due_at=ago(ours, 60))
     try:
         assert relay_once(ours.runtime, ours.app) == 1  # the unsent run's message
-        assert redis_client.llen(queue) == 2
+        assert queue_depth(app, queue) == 2
         assert (run_row(ours, unsent).published, run_row(ours, unsent).resends) == (True, 0)
         assert run_row(ours, queued).resends == 0 and run_row(ours, queued).resend_at is not None
         assert run_row(ours, lost).resend_at is None and run_row(ours, ended).resend_at is None  # not taken
     finally:
-        redis_client.delete(queue)
+        delete_queue(app, queue)
 
 
 def test_a_debounce_restarted_after_the_relay_sent_its_run_waits_its_whole_period(durable):
@@ -378,13 +390,14 @@ def test_a_relay_pass_takes_its_runs_a_batch_at_a_time(durable, monkeypatch):
     assert taken == [2, 2, 1]
 
 
-def test_a_pass_with_no_re_send_due_reads_no_backlog_count(pg_url, redis_client, monkeypatch):
+@pytest.mark.parametrize("backend", BROKERS)
+def test_a_pass_with_no_re_send_due_reads_no_backlog_count(pg_url, broker_url, monkeypatch):
     """The per-queue count of sent, unclaimed runs reads the whole ready backlog: a pass reads
     it only once it meets a run due for a re-send."""
     from durable_celery.worker import relay
 
     queue = f"relay-nocount-{uuid.uuid4().hex[:6]}"
-    durable = make(pg_url, REDIS_URL, queue, relay_after=60.0)
+    durable = make(pg_url, broker_url, queue, relay_after=60.0)
     run_ids = [durable.start("ship", {"order": n}) for n in range(3)]
     assert durable.flush(timeout=10)
     counted: list[float] = []
@@ -400,5 +413,6 @@ def test_a_pass_with_no_re_send_due_reads_no_backlog_count(pg_url, redis_client,
         conn.execute(update(runs).where(runs.c.id.in_(run_ids)).values(due_at=utcnow() - timedelta(hours=1)))
     assert relay_once(durable.runtime, durable.app) == 0  # all three still wait in the queue
     assert counted == [60.0]
-    redis_client.delete(queue)
+    assert queue_depth(durable.app, queue) == 3
+    delete_queue(durable.app, queue)
     durable.db.dispose()
