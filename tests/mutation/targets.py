@@ -133,6 +133,25 @@ TARGETS = {
             "a step attempt's outcome and the run's next state (split out of engine.py)",
         ),
         Target(
+            "flow",
+            "durable_celery/core/flow.py",
+            [
+                "tests/integration/core/test_flow_control.py",
+                "tests/integration/observe/test_flow_watch.py",
+                "tests/integration/schedules/test_schedules.py",
+            ],
+            "flow control per key: concurrency slots, throttle, rate limit",
+        ),
+        Target(
+            "flow_rows",
+            "durable_celery/store/flow_rows.py",
+            [
+                "tests/integration/core/test_flow_control.py",
+                "tests/integration/observe/test_flow_watch.py",
+            ],
+            "flow control's statements: locks, bounded counts, parking and waking",
+        ),
+        Target(
             "upkeep",
             "durable_celery/worker/upkeep.py",
             [
