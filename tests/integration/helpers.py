@@ -7,8 +7,13 @@ nothing else."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from contextlib import suppress
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -16,6 +21,9 @@ from sqlalchemy import func, select, update
 from durable_celery import current_run
 from durable_celery.store.schema import activity, keys, runs
 from durable_celery.worker.relay import broker_depths
+from tests.conftest import REDIS_URL
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # -- a run's row --------------------------------------------------------------------------------
 
@@ -181,3 +189,35 @@ def take_messages(app: Any, queue: str) -> list[Any]:
 def message_run_id(message: Any) -> str:
     """The run id a step message carries (its ``kwargsrepr`` header names it first)."""
     return str(message.headers["kwargsrepr"].split(",")[0].removeprefix("{run_id: "))
+
+
+def cli_app(durable: Any, folder: Any, name: str, define: str, command: tuple[str, ...] = ()) -> Any:
+    """A Celery app module ``name`` in ``folder`` on ``durable``'s database and queue whose
+    ``define(durable)`` (from the source ``define``) defines its workflows, and a function that
+    runs ``celery -A name durable *command *args`` on it: its stdout, or stdout and stderr when
+    the expected exit ``code`` is not 0."""
+    (folder / f"{name}.py").write_text(
+        define
+        + textwrap.dedent(f"""
+        from celery import Celery
+        from durable_celery import Durable
+        app = Celery({name!r}, broker={REDIS_URL!r})
+        app.conf.task_default_queue = {durable.app.conf.task_default_queue!r}
+        durable = Durable(app, {durable.db.url!r}, upkeep=False)
+        define(durable)
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}"}
+
+    def run(*args: str, code: int = 0) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", name, "durable", *command, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert out.returncode == code, out.stdout + out.stderr
+        return out.stdout if code == 0 else out.stdout + out.stderr
+
+    return run

@@ -5,11 +5,6 @@ a real ``celery -A ... durable`` process on PostgreSQL."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 from sqlalchemy import insert
@@ -19,12 +14,11 @@ from durable_celery.observe.activity import list_keys
 from durable_celery.store.db import utcnow
 from durable_celery.store.schema import nodes
 from durable_celery.testing import wait_for, worker
-from tests.conftest import REDIS_URL
+from tests.integration.helpers import cli_app
 
 pytestmark = pytest.mark.timeout(120)
 postgres_only = pytest.mark.parametrize("backend", ["postgres"])  # the CLI, with Redis
 
-ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = "<script>alert(1)</script>"
 
 # Defined alike in the test and in the app the CLI loads: whether a key blocks depends on reuse.
@@ -43,31 +37,7 @@ def define(durable):
 
 @pytest.fixture
 def cli(durable, tmp_path):
-    (tmp_path / "keysapp.py").write_text(
-        DEFINE
-        + textwrap.dedent(f"""
-        from celery import Celery
-        from durable_celery import Durable
-        app = Celery("keysapp", broker={REDIS_URL!r})
-        app.conf.task_default_queue = {durable.app.conf.task_default_queue!r}
-        durable = Durable(app, {durable.db.url!r}, upkeep=False)
-        define(durable)
-    """)
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-
-    def run(*args: str, code: int = 0) -> str:
-        out = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "keysapp", "durable", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
-        assert out.returncode == code, out.stderr
-        return out.stdout if code == 0 else out.stdout + out.stderr
-
-    return run
+    return cli_app(durable, tmp_path, "keysapp", DEFINE, ())
 
 
 @pytest.fixture

@@ -4,20 +4,14 @@ real ``celery -A ... durable`` process on PostgreSQL, with runs parked by the en
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REDIS_URL
+from tests.integration.helpers import cli_app
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("backend", ["postgres"])]
 
-ROOT = Path(__file__).resolve().parents[3]
 
 # Defined alike in the test and in the app the CLI loads: the report reads the limits defined.
 DEFINE = """
@@ -47,31 +41,7 @@ def define(durable):
 
 @pytest.fixture
 def cli(durable, tmp_path):
-    (tmp_path / "flowapp.py").write_text(
-        DEFINE
-        + textwrap.dedent(f"""
-        from celery import Celery
-        from durable_celery import Durable
-        app = Celery("flowapp", broker={REDIS_URL!r})
-        app.conf.task_default_queue = {durable.app.conf.task_default_queue!r}
-        durable = Durable(app, {durable.db.url!r}, upkeep=False)
-        define(durable)
-    """)
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-
-    def run(*args: str, code: int = 0) -> str:
-        out = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "flowapp", "durable", "flow", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
-        assert out.returncode == code, out.stdout + out.stderr
-        return out.stdout if code == 0 else out.stdout + out.stderr
-
-    return run
+    return cli_app(durable, tmp_path, "flowapp", DEFINE, ("flow",))
 
 
 @pytest.fixture
