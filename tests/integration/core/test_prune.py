@@ -491,6 +491,9 @@ def test_cleanup_takes_a_bare_number_as_seconds(durable):
     for run_id in ids:
         durable.cancel(run_id)
     _finished_long_ago(durable, ids[:2])
+    # The third finished "in a minute": younger than any older_than, however slow the machine.
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == ids[2]).values(finished_at=durable.db.later(60)))
     for older_than in (30, 30.0, "30", " 30 ", "1800", "0.5"):
         assert durable.cleanup(older_than, dry_run=True)["runs"] == 2, older_than
     assert durable.cleanup("7200", dry_run=True)["runs"] == 0  # two hours: none is that old

@@ -106,10 +106,15 @@ def test_the_first_release_names_a_revision_of_this_code() -> None:
     assert RELEASE_0_1_0_HEAD in [revision for revision, _ in revisions()]
 
 
-def test_a_database_of_the_first_release_upgrades_with_its_runs_keys_and_schedules(release_url: str) -> None:
-    app = Celery("upgraded", broker="memory://")
+def test_a_database_of_the_first_release_upgrades_with_its_runs_keys_and_schedules(
+    release_url: str, tmp_path: Path
+) -> None:
+    # No broker given: Durable's embedded one, in a folder of this test's own (home=). The
+    # in-memory broker is the whole process's: a message another test left on its default queue
+    # (where 0.1.0's rows send their runs) counted in the depth the relay's re-send budget reads.
+    app = Celery("upgraded")
     app.conf.beat_scheduler = "durable_celery.beat:DurableScheduler"
-    durable = Durable(app, release_url)
+    durable = Durable(app, release_url, home=str(tmp_path / "home"))
     define(durable)
     later = [revision for revision, _ in revisions()]
     later = later[later.index(RELEASE_0_1_0_HEAD) + 1 :]
