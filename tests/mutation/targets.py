@@ -62,6 +62,10 @@ TARGETS = {
                 "tests/integration/core/test_prune.py::test_cleanup_takes_a_bare_number_as_seconds",
                 "tests/integration/core/test_prune.py::test_cleanup_still_refuses_what_is_not_a_positive_duration",
                 "tests/integration/core/test_prune.py::test_cli_cleanup_older_than_a_bare_number_of_seconds",
+                # a start's rate limit, checked where the key decision creates a run
+                "tests/integration/core/test_flow_control.py::test_rate_limit_refuses_past_the_limit_and_writes_nothing",
+                "tests/integration/core/test_flow_control.py::"
+                "test_a_duplicate_answered_by_the_holder_counts_against_no_limit",
                 *GUARDS,
             ],
             "the start decision: reuse x on_duplicate, debounce, hand-off",
