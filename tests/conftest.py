@@ -33,6 +33,12 @@ from hypothesis import HealthCheck, settings
 from durable_celery import Durable
 from durable_celery.testing import Fake
 
+# libpq's default gssencmode=prefer asks Kerberos for credentials on each connect, which can
+# crash a process connecting from many threads at once (psycopg issues 1088, 1213); the test
+# servers use trust authentication. Set before any connection, inherited by every worker the
+# tests start.
+os.environ.setdefault("PGGSSENCMODE", "disable")
+
 
 def _spare_port() -> int:
     """A port in 20000-29999 that nothing listens on now; below the ephemeral range, so no client
