@@ -14,7 +14,7 @@ counts the key's runs, bounded by the limit, over partial indexes:
   its key run and wait ahead of it in start order. A refused run is parked (``flow_wait='slot'``,
   not due, holding no worker and no connection) until a slot frees: whoever frees one (the
   step's end, ``release``) or parks wakes the runs parked longest, and every worker's upkeep
-  (``wake_slots_once``) fills free slots a crash left. A step holds its slot while its run is
+  (``SlotWaker``) fills free slots a crash left. A step holds its slot while its run is
   locked, so a dead worker's slot comes back when its lock goes stale (or at once, WorkerLost).
   Compensations neither wait for nor hold a slot.
 """
@@ -177,29 +177,46 @@ def release(rt: Runtime, workflow: Workflow, slot_key: str | None) -> None:
     _send(rt, woken)
 
 
+class SlotWaker:
+    """Upkeep: passes over the keys with runs parked for a slot, waking as many of each key's
+    runs as it has free slots (a slot freed by a crashed worker, or a wake-up lost between
+    commit and send). A pass looks at up to ``KEYS_PER_PASS`` keys, going on after the last key
+    the pass before looked at (from the first again past the last): every key is looked at,
+    however many there are. Runs of a workflow defined here without a concurrency limit any
+    more (a deploy removed it) are all woken; keys of workflows not defined here are left to
+    the nodes that define them."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.after: tuple[str, str] | None = None  # the last key the last pass looked at
+
+    def wake_slots_once(self) -> int:
+        """One pass; returns how many runs it woke."""
+        rt = self.rt
+        with rt.db.engine.connect() as conn:
+            parked = flow_rows.parked_slot_keys(conn, KEYS_PER_PASS, self.after)
+        self.after = (parked[-1][0], parked[-1][1]) if len(parked) == KEYS_PER_PASS else None
+        woken = 0
+        for name, slot_key in parked:
+            workflow = rt.registry.workflows.get(name)
+            if workflow is None:
+                continue  # defined on other nodes only: theirs to wake
+            with rt.db.begin() as conn:
+                flow_rows.lock_key_txn(conn, SLOT, name, slot_key)
+                if workflow.concurrency is None:
+                    rows = flow_rows.wake_parked_txn(rt.db, conn, name, slot_key, LINE_BOUND)
+                else:
+                    rows = _fill(rt, conn, name, slot_key, workflow.concurrency.limit)
+            _send(rt, rows)
+            woken += len(rows)
+        if woken:
+            log.info("durable: woke %d run(s) parked for a concurrency slot", woken)
+        return woken
+
+
 def wake_slots_once(rt: Runtime) -> int:
-    """Upkeep: for each key with runs parked for a slot, wake as many as its free slots (a slot
-    freed by a crashed worker, or a wake-up lost between commit and send). Runs of a workflow
-    defined here without a concurrency limit any more (a deploy removed it) are all woken.
-    Returns how many runs it woke."""
-    with rt.db.engine.connect() as conn:
-        parked = flow_rows.parked_slot_keys(conn, KEYS_PER_PASS)
-    woken = 0
-    for name, slot_key in parked:
-        workflow = rt.registry.workflows.get(name)
-        if workflow is None:
-            continue  # defined on other nodes only: theirs to wake
-        with rt.db.begin() as conn:
-            flow_rows.lock_key_txn(conn, SLOT, name, slot_key)
-            if workflow.concurrency is None:
-                rows = flow_rows.wake_parked_txn(rt.db, conn, name, slot_key, LINE_BOUND)
-            else:
-                rows = _fill(rt, conn, name, slot_key, workflow.concurrency.limit)
-        _send(rt, rows)
-        woken += len(rows)
-    if woken:
-        log.info("durable: woke %d run(s) parked for a concurrency slot", woken)
-    return woken
+    """One ``SlotWaker`` pass from the first key (eager mode, tests); returns the runs woken."""
+    return SlotWaker(rt).wake_slots_once()
 
 
 def _fill(rt: Runtime, conn: Connection, workflow: str, slot_key: str, limit: int) -> list[Any]:

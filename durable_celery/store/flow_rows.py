@@ -25,6 +25,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    tuple_,
     update,
 )
 
@@ -305,12 +306,11 @@ def window_full_since_txn(
     return None if found is None else found[0]
 
 
-def parked_slot_keys(conn: Connection, limit: int) -> Sequence[Any]:
-    """(workflow, slot_key) pairs with runs parked for a slot."""
-    query = (
-        select(runs.c.workflow, runs.c.slot_key)
-        .where(runs.c.flow_wait == _SLOT_SQL, runs.c.finished_at.is_(None))
-        .group_by(runs.c.workflow, runs.c.slot_key)
-        .limit(limit)
-    )
-    return conn.execute(query).all()
+def parked_slot_keys(conn: Connection, limit: int, after: tuple[str, str] | None = None) -> Sequence[Any]:
+    """Up to ``limit`` (workflow, slot_key) pairs with runs parked for a slot, in order, after
+    the pair ``after`` if given."""
+    pair = (runs.c.workflow, runs.c.slot_key)
+    query = select(*pair).where(runs.c.flow_wait == _SLOT_SQL, runs.c.finished_at.is_(None))
+    if after is not None:
+        query = query.where(tuple_(*pair) > tuple_(literal(after[0]), literal(after[1])))
+    return conn.execute(query.group_by(*pair).order_by(*pair).limit(limit)).all()

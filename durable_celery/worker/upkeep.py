@@ -33,7 +33,7 @@ from celery.worker import state as worker_state
 from .. import signals
 from ..capabilities import Capability
 from ..core import prune, queues
-from ..core.flow import wake_slots_once
+from ..core.flow import SlotWaker
 from ..core.sweeps import (
     SAMPLE_INTERVAL,
     cancel_orphans_once,
@@ -76,6 +76,7 @@ class Upkeep:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._failing: set[str] = set()  # jobs failing now: logged once per outage
+        self.slots = SlotWaker(rt)  # its passes go on from key to key
         # Since when this node has seen the database without a break (None: it is away now).
         self.db_seen_since: float | None = -math.inf
 
@@ -150,7 +151,7 @@ class Upkeep:
                     self._guarded(partial(sweep_stale_once, rt))
                 self._guarded(partial(cancel_orphans_once, rt))
                 self._guarded(partial(wake_missed_once, rt))
-                self._guarded(partial(wake_slots_once, rt))
+                self._guarded(self.slots.wake_slots_once)
                 self._guarded(partial(restore_schedules_once, rt, self.app))
 
     def _housekeeping_loop(self) -> None:

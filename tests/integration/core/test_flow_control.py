@@ -9,13 +9,15 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from durable_celery import InvalidDefinition, InvalidStart, RateLimited
+from durable_celery.core import flow
 from durable_celery.core.flow import wake_slots_once
 from durable_celery.core.sweeps import sweep_stale_once
+from durable_celery.store import flow_rows
 from durable_celery.store.schema import runs
-from durable_celery.testing import wait_for, worker
+from durable_celery.testing import RecordingOutbox, wait_for, worker
 from tests.conftest import EVERY_STORE
 
 pytestmark = pytest.mark.timeout(120)
@@ -222,6 +224,166 @@ def test_a_dead_workers_slot_comes_back_when_its_lock_goes_stale(make_durable):
         assert wait_for(durable, first, timeout=30).status == "completed"
         assert wait_for(durable, second, timeout=30).status == "completed"
     assert wake_slots_once(durable.runtime) == 0  # nothing left parked
+
+
+# -- the upkeep's pass: slots a crash or a lost wake-up left free ---------------------------------
+
+
+def _define_sync(durable, limit=1, name="sync"):
+    wf = durable.workflow(name, concurrency={"limit": limit, "key": "{tenant}"})
+
+    @wf.step
+    def work(tenant, n):
+        return n
+
+    return wf
+
+
+def _hold(durable, *run_ids: str) -> None:
+    """A live worker executes a step of each run (locked, beating): each holds its key's slot."""
+    now = durable.db.utcnow()
+    with durable.db.begin() as conn:
+        conn.execute(
+            runs.update()
+            .where(runs.c.id.in_(run_ids))
+            .values(status="running", locked_by="alive:1:1", heartbeat_at=now, started_at=now)
+        )
+
+
+def _end_unannounced(durable, *run_ids: str) -> None:
+    """The runs finished, and the process that finished them died before waking anyone."""
+    with durable.db.begin() as conn:
+        conn.execute(
+            runs.update()
+            .where(runs.c.id.in_(run_ids))
+            .values(status="completed", locked_by=None, finished_at=durable.db.utcnow())
+        )
+
+
+def _park(durable, wf, *run_ids: str) -> None:
+    """Each run's claim finds its key's slots taken: parked."""
+    for run_id in run_ids:
+        assert durable.engine.execute(wf, wf.steps[0], run_id, False) == "dropped"
+    assert _parked(durable, *run_ids) == list(run_ids)
+
+
+def _parked(durable, *run_ids: str) -> list[str]:
+    """Which of these runs are parked for a slot."""
+    with durable.db.engine.connect() as conn:
+        found = conn.execute(select(runs.c.id).where(runs.c.id.in_(run_ids), runs.c.flow_wait == "slot"))
+        return sorted((row.id for row in found), key=run_ids.index)
+
+
+def _lost_wake_ups(durable, wf, tenants) -> list[str]:
+    """Per tenant, a run parked behind one that ended without waking it: returns the parked ones."""
+    started = [
+        (durable.start(wf.name, {"tenant": t, "n": 0}), durable.start(wf.name, {"tenant": t, "n": 1}))
+        for t in tenants
+    ]
+    _hold(durable, *(first for first, _ in started))
+    _park(durable, wf, *(second for _, second in started))
+    _end_unannounced(durable, *(first for first, _ in started))
+    return [second for _, second in started]
+
+
+def test_the_upkeep_wakes_as_many_parked_runs_as_slots_are_free_oldest_first(make_durable):
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    wf = _define_sync(durable, limit=2)
+    a = [durable.start("sync", {"tenant": "a", "n": n}) for n in range(5)]
+    b = [durable.start("sync", {"tenant": "b", "n": n}) for n in range(3)]
+    _hold(durable, a[0], a[1], b[0], b[1])
+    _park(durable, wf, *a[2:], b[2])
+    outbox.clear()
+    assert wake_slots_once(durable.runtime) == 0  # every slot in use
+    _end_unannounced(durable, a[0], b[0], b[1])  # a: one slot free; b: two, one run parked
+    assert wake_slots_once(durable.runtime) == 2
+    assert [(sent.workflow, sent.run_id, sent.step_index) for sent in outbox.sent] == [
+        ("sync", a[2], 0),
+        ("sync", b[2], 0),
+    ]
+    assert _parked(durable, *a, *b) == [a[3], a[4]]
+    assert durable.get_run(a[2]).status == "pending"
+    # The woken run is due: it has the free slot, so the next pass wakes no other for it.
+    assert wake_slots_once(durable.runtime) == 0
+    assert _parked(durable, *a) == [a[3], a[4]]
+
+
+def test_the_upkeep_leaves_the_keys_of_workflows_defined_elsewhere_to_their_nodes(make_durable):
+    outbox = RecordingOutbox()
+    here = make_durable(outbox=outbox)
+    there = make_durable("there")
+    # "a-report" sorts before "sync": a pass meets the key it must leave alone first.
+    theirs = _lost_wake_ups(there, _define_sync(there, name="a-report"), ["t"])
+    ours = _lost_wake_ups(here, _define_sync(here), ["t"])
+    outbox.clear()
+    assert wake_slots_once(here.runtime) == 1
+    assert outbox.run_ids() == ours
+    assert _parked(here, *theirs, *ours) == theirs
+    assert wake_slots_once(there.runtime) == 1
+    assert _parked(here, *theirs, *ours) == []
+
+
+def test_the_upkeep_wakes_every_run_parked_for_a_limit_a_deploy_removed(make_durable):
+    before = make_durable()
+    wf = _define_sync(before, limit=1)
+    ids = [before.start("sync", {"tenant": "a", "n": n}) for n in range(4)]
+    _hold(before, ids[0])
+    _park(before, wf, *ids[1:])
+    outbox = RecordingOutbox()
+    after = make_durable("after", outbox=outbox)
+    unlimited = after.workflow("sync")  # the new code: no concurrency limit
+
+    @unlimited.step
+    def work(tenant, n):
+        return n
+
+    assert wake_slots_once(after.runtime) == 3
+    assert outbox.run_ids() == ids[1:]
+    assert _parked(after, *ids) == []
+
+
+def test_each_upkeep_pass_goes_on_with_the_keys_after_the_last_one_looked_at(make_durable, monkeypatch):
+    monkeypatch.setattr(flow, "KEYS_PER_PASS", 2)
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    wf = _define_sync(durable)
+    parked = _lost_wake_ups(durable, wf, ["k0", "k1", "k2", "k3", "k4"])
+    outbox.clear()
+    waker = flow.SlotWaker(durable.runtime)
+    passes = []
+    for _ in range(4):
+        woken = waker.wake_slots_once()
+        passes.append((woken, outbox.run_ids()))
+        outbox.clear()
+    assert passes == [(2, parked[0:2]), (2, parked[2:4]), (1, parked[4:]), (0, [])]
+    # Past the last key, a pass starts from the first again.
+    more = _lost_wake_ups(durable, wf, ["a0"])
+    outbox.clear()
+    assert waker.wake_slots_once() == 1 and outbox.run_ids() == more
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_the_upkeep_pass_waits_for_the_keys_lock(durable):
+    wf = _define_sync(durable)
+    (parked,) = _lost_wake_ups(durable, wf, ["a"])
+    woken: list[int] = []
+    with durable.db.begin() as conn:
+        flow_rows.lock_key_txn(conn, "slot", "sync", "a")  # a claim of the key's, in progress
+        thread = threading.Thread(target=lambda: woken.append(wake_slots_once(durable.runtime)))
+        thread.start()
+        waiting = text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
+        )
+        deadline = time.monotonic() + 30
+        with durable.db.engine.connect() as watch:
+            while watch.execute(waiting).scalar_one() == 0:
+                assert time.monotonic() < deadline, "the pass never waited for the key's lock"
+                time.sleep(0.02)
+        assert woken == [] and _parked(durable, parked) == [parked]
+    thread.join(30)
+    assert woken == [1] and _parked(durable, parked) == []
 
 
 def test_throttle_spaces_the_begins_in_start_order_and_drops_none(durable):
