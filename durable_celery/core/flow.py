@@ -65,18 +65,17 @@ def admit_start_txn(rt: Runtime, conn: Connection, workflow: Workflow, run: dict
     key had ``limit`` starts in the last ``period`` seconds. The key's lock is held until the
     transaction ends, so racing starts are counted one after another."""
     rate: FlowLimit | None = workflow.rate_limit
-    key = run.get("rate_key")
-    if rate is None or key is None:
+    if rate is None:
         return
     assert rate.period is not None
-    db = rt.db
-    flow_rows.lock_key_txn(conn, "rate", workflow.name or "", key)
-    full_since = flow_rows.window_full_since_txn(db, conn, workflow.name or "", key, rate.period, rate.limit)
+    db, name, key = rt.db, run["workflow"], run["rate_key"]  # a key for every run under a rate limit
+    flow_rows.lock_key_txn(conn, "rate", name, key)
+    full_since = flow_rows.window_full_since_txn(db, conn, name, key, rate.period, rate.limit)
     if full_since is None:
         return
     oldest = aware(full_since) or db.utcnow()
     retry_after = max((oldest + timedelta(seconds=rate.period) - db.utcnow()).total_seconds(), 0.0)
-    raise RateLimited(workflow.name or "", key, rate.limit, rate.period, round(retry_after, 3))
+    raise RateLimited(name, key, rate.limit, rate.period, round(retry_after, 3))
 
 
 # -- claims: throttle and concurrency -----------------------------------------------------------

@@ -286,6 +286,19 @@ def _lost_wake_ups(durable, wf, tenants) -> list[str]:
     return [second for _, second in started]
 
 
+def _await_a_key_lock_wait(durable) -> None:
+    """Until a session of the test's database waits for an advisory lock (a flow key's)."""
+    waiting = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
+    )
+    deadline = time.monotonic() + 30
+    with durable.db.engine.connect() as watch:
+        while watch.execute(waiting).scalar_one() == 0:
+            assert time.monotonic() < deadline, "nothing waited for the key's lock"
+            time.sleep(0.02)
+
+
 def test_the_upkeep_wakes_as_many_parked_runs_as_slots_are_free_oldest_first(make_durable):
     outbox = RecordingOutbox()
     durable = make_durable(outbox=outbox)
@@ -372,18 +385,91 @@ def test_the_upkeep_pass_waits_for_the_keys_lock(durable):
         flow_rows.lock_key_txn(conn, "slot", "sync", "a")  # a claim of the key's, in progress
         thread = threading.Thread(target=lambda: woken.append(wake_slots_once(durable.runtime)))
         thread.start()
-        waiting = text(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
-        )
-        deadline = time.monotonic() + 30
-        with durable.db.engine.connect() as watch:
-            while watch.execute(waiting).scalar_one() == 0:
-                assert time.monotonic() < deadline, "the pass never waited for the key's lock"
-                time.sleep(0.02)
+        _await_a_key_lock_wait(durable)
         assert woken == [] and _parked(durable, parked) == [parked]
     thread.join(30)
     assert woken == [1] and _parked(durable, parked) == []
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_a_rate_limited_start_waits_for_its_keys_lock(durable):
+    wf = durable.workflow("remind", rate_limit={"limit": 1, "period": 3600, "key": "user:{user}"})
+
+    @wf.step
+    def send(user):
+        return user
+
+    started: list[str] = []
+    with durable.db.begin() as conn:
+        flow_rows.lock_key_txn(conn, "rate", "remind", "user:1")  # another start of the key, in progress
+        thread = threading.Thread(target=lambda: started.append(durable.start("remind", {"user": 1})))
+        thread.start()
+        _await_a_key_lock_wait(durable)
+        assert started == [] and _count_runs(durable, "remind") == 0
+    thread.join(30)
+    assert len(started) == 1 and _count_runs(durable, "remind") == 1
+
+
+@pytest.mark.parametrize("backend", ["memory"])
+def test_a_refused_start_names_its_limit_and_when_to_try_again_to_the_millisecond(backend):
+    from durable_celery.testing import Fake
+
+    fake = Fake()
+    try:
+        remind = fake.workflow("remind", rate_limit={"limit": 2, "period": 60, "key": "u:{user}"})
+
+        @remind.step
+        def send(user):
+            return user
+
+        fake.start("remind", {"user": 1})
+        fake.advance(10)
+        fake.start("remind", {"user": 1})
+        fake.advance(49.87654)  # the first start leaves the window in 0.12346 s
+        with pytest.raises(RateLimited) as refused:
+            fake.start("remind", {"user": 1})
+        got = refused.value
+        assert (got.workflow, got.key, got.limit, got.period, got.retry_after) == (
+            "remind",
+            "u:1",
+            2,
+            60,
+            0.123,
+        )
+        assert "at most 2 start(s) per 60s for 'u:1'" in str(got)
+    finally:
+        fake.close()
+
+
+def test_a_parked_run_is_noted_once_with_its_key_and_limit(make_durable):
+    durable = make_durable()
+    wf = _define_sync(durable)
+    first, second = (durable.start("sync", {"tenant": "a", "n": n}) for n in range(2))
+    _hold(durable, first)
+    _park(durable, wf, second)
+    assert durable.engine.execute(wf, wf.steps[0], second, False) == "dropped"  # looks again: no new note
+    noted = durable.activity(kinds=["slot_wait"])
+    assert [(a.run_id, a.workflow, a.details) for a in noted] == [
+        (second, "sync", {"key": "a", "workflow": "sync", "in_use": 1, "limit": 1})
+    ]
+
+    api = durable.workflow("api", throttle={"limit": 1, "period": 60, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    begun, held_back = (durable.start("api", {"customer": "x"}) for _ in range(2))
+    assert durable.engine.execute(api, api.steps[0], begun, False) != "dropped"
+    assert durable.engine.execute(api, api.steps[0], held_back, False) == "dropped"
+    (throttled,) = durable.activity(kinds=["throttled"])
+    assert (throttled.run_id, throttled.workflow) == (held_back, "api")
+    until = throttled.details.pop("until")
+    assert throttled.details == {"key": "c:x", "workflow": "api", "limit": 1, "period": 60}
+    assert (
+        durable.get_run(held_back).status == "pending"
+        and until > durable.get_run(begun).started_at.isoformat()
+    )
 
 
 def test_throttle_spaces_the_begins_in_start_order_and_drops_none(durable):
