@@ -143,7 +143,8 @@ def _parked_for_slot(
 def _throttled_until(rt: Runtime, conn: Connection, throttle: FlowLimit, run: Any) -> datetime | None:
     """None if ``run`` may begin now; else when it should look again: when the window frees
     the place it holds in the line (runs started before it go first)."""
-    db, limit, period = rt.db, throttle.limit, throttle.period or 0.0
+    assert throttle.period is not None
+    db, limit, period = rt.db, throttle.limit, throttle.period
     begun = flow_rows.begins_in_window_txn(db, conn, run.workflow, run.throttle_key, period, limit)
     ahead = flow_rows.throttle_line_ahead_txn(db, conn, run, min(LINE_BOUND, LINE_WINDOWS * limit))
     if len(begun) + ahead < limit:

@@ -15,6 +15,7 @@ from durable_celery import InvalidDefinition, InvalidStart, RateLimited
 from durable_celery.core import flow
 from durable_celery.core.flow import wake_slots_once
 from durable_celery.core.sweeps import sweep_stale_once
+from durable_celery.models import aware
 from durable_celery.store import flow_rows
 from durable_celery.store.schema import runs
 from durable_celery.testing import RecordingOutbox, wait_for, worker
@@ -470,6 +471,80 @@ def test_a_parked_run_is_noted_once_with_its_key_and_limit(make_durable):
         durable.get_run(held_back).status == "pending"
         and until > durable.get_run(begun).started_at.isoformat()
     )
+
+
+def test_a_claim_that_parks_wakes_the_runs_parked_longer_for_the_slots_free(make_durable):
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    wf = _define_sync(durable)
+    (parked,) = _lost_wake_ups(durable, wf, ["a"])  # its slot is free, and nobody woke it
+    later = durable.start("sync", {"tenant": "a", "n": 2})
+    outbox.clear()
+    _park(durable, wf, later)  # behind the run parked longer, which takes the free slot
+    assert outbox.run_ids() == [parked]
+    assert _parked(durable, parked, later) == [later]
+
+
+def _due_at(durable, run_id: str):
+    with durable.db.engine.connect() as conn:
+        return aware(conn.execute(select(runs.c.due_at).where(runs.c.id == run_id)).scalar_one())
+
+
+@pytest.mark.parametrize("backend", ["postgres", "sqlite"])
+def test_a_throttled_run_looks_again_when_its_place_in_the_window_frees(durable):
+    period, margin = 60, flow.CLOCK_MARGIN if durable.db.is_postgres else 0.0
+    api = durable.workflow("api", throttle={"limit": 2, "period": period, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer, n):
+        return n
+
+    ids = [durable.start("api", {"customer": "x", "n": n}) for n in range(16)]
+    for run_id in ids[:2]:
+        assert durable.engine.execute(api, api.steps[0], run_id, False) != "dropped"
+    t0, t1 = (durable.get_run(run_id).started_at for run_id in ids[:2])
+    for run_id in ids[2:]:  # each behind the ones before it: places 0, 1, 2, ...
+        assert durable.engine.execute(api, api.steps[0], run_id, False) == "dropped"
+    frees = [t0 + timedelta(seconds=period), t1 + timedelta(seconds=period)]
+    expected = [frees[p % 2] + timedelta(seconds=period * (p // 2) + margin) for p in range(14)]
+    assert [_due_at(durable, run_id) for run_id in ids[2:]] == expected
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_a_throttled_run_looks_again_soon_when_this_hosts_clock_is_ahead(durable, monkeypatch):
+    api = durable.workflow("api", throttle={"limit": 1, "period": 5, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    first, second = (durable.start("api", {"customer": "x"}) for _ in range(2))
+    assert durable.engine.execute(api, api.steps[0], first, False) != "dropped"
+    # This host reads the moment the first begin leaves the window while the database's clock
+    # still counts it: the place is free by this host's clock, so the run looks again shortly.
+    ahead = durable.get_run(first).started_at + timedelta(seconds=5)
+    monkeypatch.setattr(durable.db, "clock", lambda: ahead)
+    assert durable.engine.execute(api, api.steps[0], second, False) == "dropped"
+    assert _due_at(durable, second) == ahead + timedelta(seconds=flow.MIN_RECHECK)
+
+
+def test_a_run_on_a_paused_queue_is_not_noted_throttled(make_durable):
+    durable = make_durable()
+    api = durable.workflow("api", throttle={"limit": 1, "period": 60, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    first, second = (durable.start("api", {"customer": "x"}) for _ in range(2))
+    assert durable.engine.execute(api, api.steps[0], first, False) != "dropped"
+    queue = durable.app.conf.task_default_queue
+    durable.pause_queue(queue)
+    assert durable.engine.execute(api, api.steps[0], second, False) == "dropped"
+    assert durable.activity(kinds=["throttled"]) == []  # not parked: the queue holds it
+    durable.resume_queue(queue)
+    assert durable.engine.execute(api, api.steps[0], second, False) == "dropped"
+    assert [a.run_id for a in durable.activity(kinds=["throttled"])] == [second]
 
 
 def test_throttle_spaces_the_begins_in_start_order_and_drops_none(durable):
