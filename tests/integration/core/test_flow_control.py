@@ -547,6 +547,78 @@ def test_a_run_on_a_paused_queue_is_not_noted_throttled(make_durable):
     assert [a.run_id for a in durable.activity(kinds=["throttled"])] == [second]
 
 
+def _waits_for_the_key_lock(durable, key: str, act, seen) -> None:
+    """``act()`` in a thread waits while another transaction holds the slot key's lock: what
+    ``seen()`` reads changes only once that transaction ends."""
+    before, done = seen(), []
+    with durable.db.begin() as conn:
+        flow_rows.lock_key_txn(conn, "slot", "sync", key)  # another decision of the key's, in progress
+        thread = threading.Thread(target=lambda: done.append(act()))
+        thread.start()
+        _await_a_key_lock_wait(durable)
+        assert done == [] and seen() == before
+    thread.join(30)
+    assert len(done) == 1 and seen() != before
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_a_claim_and_a_release_wait_for_the_slot_keys_lock(durable):
+    wf = _define_sync(durable)
+    (parked,) = _lost_wake_ups(durable, wf, ["a"])
+    fresh = durable.start("sync", {"tenant": "b", "n": 0})
+    claim = lambda: durable.engine.execute(wf, wf.steps[0], fresh, False)  # noqa: E731
+    _waits_for_the_key_lock(durable, "b", claim, lambda: durable.get_run(fresh).status)
+    release = lambda: flow.release(durable.runtime, wf, "a")  # noqa: E731
+    _waits_for_the_key_lock(durable, "a", release, lambda: _parked(durable, parked))
+    assert durable.get_run(fresh).status == "completed" and _parked(durable, parked) == []
+
+
+def test_a_compensation_runs_while_every_slot_of_its_key_is_in_use(make_durable):
+    durable = make_durable()
+    undone: list[int] = []
+    wf = durable.workflow("sync", concurrency={"limit": 1, "key": "{tenant}"})
+
+    @wf.step(compensate=lambda tenant, n: undone.append(n))
+    def first(tenant, n):
+        return n
+
+    @wf.step
+    def second(tenant, n):
+        if n == 0:
+            raise ValueError("declined")
+
+    failing, other = (durable.start("sync", {"tenant": "a", "n": n}) for n in range(2))
+    assert durable.run_message("sync", 0, failing) == "running"
+    assert durable.run_message("sync", 1, failing) == "compensating"
+    _hold(durable, other)  # the key's one slot, in use
+    assert durable.run_message("sync", 0, failing, compensate=True) == "compensated"
+    assert undone == [0]
+
+
+def test_a_lost_step_of_a_run_whose_limit_a_deploy_removed_is_recorded(make_durable):
+    from durable_celery.core.engine import process_node
+    from durable_celery.store import queries
+
+    before = make_durable()
+    _define_sync(before)
+    run_id = before.start("sync", {"tenant": "a", "n": 0})
+    after = make_durable("after")
+    unlimited = after.workflow("sync")  # the new code: no concurrency limit
+
+    @unlimited.step
+    def work(tenant, n):
+        return n
+
+    dead = 4_000_000  # above any pid_max
+    with after.db.single() as conn:
+        assert queries.claim_run(after.db, conn, run_id, 0, f"{process_node(dead)}:7", None) is not None
+    assert (
+        after.engine.record_lost(unlimited, unlimited.steps[0], run_id, dead, "signal 9 (SIGKILL)")
+        == "failed"
+    )
+    assert after.get_run(run_id).error["type"] == "WorkerLost"
+
+
 def test_throttle_spaces_the_begins_in_start_order_and_drops_none(durable):
     begun: list[int] = []
     wf = durable.workflow("api", throttle={"limit": 2, "period": 1.0, "key": "c:{customer}"})
