@@ -203,7 +203,10 @@ def test_without_opentelemetry_installed_everything_still_imports_and_runs(tmp_p
         print("ok")
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # The repository's root on the path (not tests/, whose django folder would shadow Django), and
+    # a plain Celery app: no Django settings another test of this process may have set.
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
     done = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=60
     )
