@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,11 @@ log = logging.getLogger("durable_celery")
 _HOST = socket.gethostname()
 
 
+def _never() -> bool:
+    """No cold shutdown cuts a grace period short (an engine outside a Celery worker)."""
+    return False
+
+
 def process_node(pid: int) -> str:
     """How a process of this host names itself in ``locked_by``: ``host:pid``."""
     return f"{_HOST}:{pid}"
@@ -54,6 +60,9 @@ class Engine:
         # Whether the worker sends task events (set by its upkeep), for inline steps' events.
         self.task_events = multiprocessing.RawValue("b", 0)
         self.worker_pid = 0  # the Celery worker process this engine runs in, once it starts (upkeep.py)
+        # Has a cold shutdown been asked for in this process? The worker's upkeep says how to
+        # tell (Celery's own flag); it cuts a grace period short (drain_over).
+        self.cut_short: Callable[[], bool] = _never
 
     @property
     def node(self) -> str:
@@ -532,8 +541,9 @@ class Engine:
         return bool(self._drain_at.value)
 
     def drain_over(self) -> bool:
-        """Is the grace period of a graceful shutdown over?"""
-        return bool(self._drain_at.value) and time.time() >= self._drain_at.value
+        """Is the grace period of a graceful shutdown over, or has a cold shutdown cut it short?"""
+        at = self._drain_at.value
+        return bool(at) and (time.time() >= at or self.cut_short())
 
     def _snooze(
         self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed, logs: list[dict[str, Any]] | None

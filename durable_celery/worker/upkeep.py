@@ -283,6 +283,11 @@ def refuse_forking_pool(rt: Runtime, worker: Any) -> None:
     raise WorkerShutdown(1)
 
 
+def _cold_shutdown_asked() -> bool:
+    """Has Celery been asked for a cold shutdown in this process?"""
+    return bool(worker_state.should_terminate)
+
+
 def install(rt: Runtime, engine: Engine, app: Any) -> None:
     """Run upkeep inside every worker of ``app`` (a worker bootstep)."""
 
@@ -294,6 +299,10 @@ def install(rt: Runtime, engine: Engine, app: Any) -> None:
 
         def create(self, worker: Any) -> Upkeep | None:
             engine.worker_pid = os.getpid()  # before the pool forks: drain() from a child
+            # A second Ctrl-C (or SIGQUIT) during the grace period: Celery's flag, set by its
+            # signal handler wherever the main thread was, ends the grace period at the next
+            # heartbeat tick, even when the handler's own cancel never reaches the pool's wait.
+            engine.cut_short = _cold_shutdown_asked
             celery_signals.worker_shutdown.connect(self.on_worker_shutdown, sender=worker)
             # Task events on from the start (-E): inline steps send theirs from the first one.
             sends = getattr(worker, "task_events", None) or worker.app.conf.worker_send_task_events

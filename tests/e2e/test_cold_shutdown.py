@@ -29,7 +29,7 @@ APP = textwrap.dedent(
     import os, time
     from pathlib import Path
     from celery import Celery
-    from durable_celery import Durable
+    from durable_celery import Durable, signals
 
     app = Celery("coldapp", broker=os.environ["BROKER"])
     app.conf.task_default_queue = os.environ["QUEUE"]
@@ -45,6 +45,13 @@ APP = textwrap.dedent(
         shutdown_grace_period=float(os.environ.get("GRACE", "60")),
     )
     marks = Path(os.environ["MARKS"])
+
+    if os.environ.get("SLOW_DRAIN"):  # a receiver that keeps the worker in durable's stop step a while
+
+        @signals.worker_draining.connect
+        def slow(**_):
+            (marks / "draining").touch()
+            time.sleep(3.0)
 
     job = durable.workflow("job")
 
@@ -160,3 +167,28 @@ def test_a_cold_shutdown_hands_the_step_back_and_the_next_worker_runs_it_at_once
     assert run.status == "completed" and run.output == "second" and second.poll() is None
     assert took < 60  # well under the 300 s stale timeout: the next worker took it at once
     assert [(s.attempt, s.status) for s in client.list_steps(run_id)] == [(1, "completed")]  # no attempt used
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_while_the_worker_is_in_its_own_stop_step_still_hands_the_step_back(
+    client: Durable,
+    start_worker: Callable[..., subprocess.Popen[bytes]],
+    env: dict[str, str],
+) -> None:
+    # Celery's cold-shutdown handler runs wherever the main thread is; here that is durable's
+    # stop step (a worker_draining receiver), not the threads pool's wait, so the handler's
+    # cancel never reaches the pool. The grace period (60 s) must end all the same.
+    env["SLOW_DRAIN"] = "1"
+    first = start_worker("first", "threads")
+    run_id = client.start("job")
+    marks = Path(env["MARKS"])
+    wait_path(marks / "started", 30)
+    first.send_signal(signal.SIGINT)
+    wait_path(marks / "draining", 20)
+    first.send_signal(signal.SIGINT)
+    first.wait(30)  # well within the 60 s grace period
+    (handed,) = client.activity(kinds=["handed_back"], run_id=run_id)
+    assert handed.details["step"] == "work"
+    start_worker("second", "threads")
+    run = wait_for(client, run_id, timeout=60)
+    assert run.status == "completed" and run.output == "second"

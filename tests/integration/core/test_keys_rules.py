@@ -485,17 +485,28 @@ def test_debounced_run_timeout_counts_from_when_it_is_due(durable):
 
 
 def test_run_again_run_timeout_counts_from_when_it_takes_the_key(durable):
-    gate = Gate()
-    wf = gate.define(durable, "relay_race", on_duplicate="run_again", timeout=1.5)
+    entered, release = threading.Event(), threading.Event()
+    wf = durable.workflow("relay_race", on_duplicate="run_again", timeout=4.0)
+
+    @wf.step
+    def hold(n=0):
+        if n == 1:
+            entered.set()
+            release.wait(30)
+        else:
+            time.sleep(2.0)  # half its timeout, once it has the key
+        return n
+
     with worker(durable):
         holder = durable.start(wf, {"n": 1}, key="k")
-        gate.wait_entered()
+        assert entered.wait(10)
         waiting = durable.start(wf, {"n": 2}, key="k")
-        time.sleep(1.0)  # the holder runs on, longer than what is left of the waiting run's timeout
-        gate.release.set()
+        time.sleep(2.5)  # the holder runs on: what it leaves of 4 s is less than the waiting run takes
+        release.set()
         assert wait_for(durable, holder).status == "completed"
         run = wait_for(durable, waiting, timeout=15)
     assert run.status == "completed" and run.output == 2
+    assert (run.finished_at - run.created_at).total_seconds() > 4.0  # longer than its timeout, all told
 
 
 def test_cancel_existing_refuses_a_compensating_holder(durable):
