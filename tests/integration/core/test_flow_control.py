@@ -377,6 +377,33 @@ def test_each_upkeep_pass_goes_on_with_the_keys_after_the_last_one_looked_at(mak
     assert waker.wake_slots_once() == 1 and outbox.run_ids() == more
 
 
+def test_a_pass_goes_on_after_keys_it_could_wake_nothing_for(make_durable, monkeypatch):
+    monkeypatch.setattr(flow, "KEYS_PER_PASS", 3)
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    wa, wb = _define_sync(durable, name="wa"), _define_sync(durable, name="wb")
+
+    def full(wf, tenant):  # a run holds the key's one slot, another is parked behind it
+        holder, parked = (durable.start(wf.name, {"tenant": tenant, "n": n}) for n in range(2))
+        _hold(durable, holder)
+        _park(durable, wf, parked)
+
+    # The keys in the order a pass reads them: three full ones, then two with a slot free.
+    full(wa, "k0")
+    full(wa, "k9")
+    full(wb, "k1")
+    free = _lost_wake_ups(durable, wb, ["k5", "k7"])
+    outbox.clear()
+    waker = flow.SlotWaker(durable.runtime)
+    passes = []
+    for _ in range(3):
+        woken = waker.wake_slots_once()
+        passes.append((woken, outbox.run_ids()))
+        outbox.clear()
+    # The first pass finds no slot free in its three keys; the next goes on after the last of them.
+    assert passes == [(0, []), (2, free), (0, [])]
+
+
 @pytest.mark.parametrize("backend", ["postgres"])
 def test_the_upkeep_pass_waits_for_the_keys_lock(durable):
     wf = _define_sync(durable)
@@ -485,6 +512,64 @@ def test_a_claim_that_parks_wakes_the_runs_parked_longer_for_the_slots_free(make
     assert _parked(durable, parked, later) == [later]
 
 
+def test_a_limited_workflows_waiting_run_times_out_from_when_it_takes_the_key(durable):
+    entered, release = threading.Event(), threading.Event()
+    wf = durable.workflow(
+        "slow_sync", timeout=3.0, on_duplicate="run_again", concurrency={"limit": 1, "key": "{tenant}"}
+    )
+
+    @wf.step
+    def work(tenant, n):
+        if n == 0:
+            entered.set()
+            assert release.wait(30)
+            return n
+        end = time.monotonic() + 10  # longer than the timeout: stopped at its deadline
+        while time.monotonic() < end:
+            time.sleep(0.02)
+        return n
+
+    with worker(durable):
+        holder = durable.start(wf, {"tenant": "a", "n": 0}, key="k")
+        assert entered.wait(10)  # running: a start now waits for it, not takes its place
+        waiting = durable.start(wf, {"tenant": "a", "n": 1}, key="k")  # no deadline until it has the key
+        release.set()
+        assert wait_for(durable, holder).status == "completed"
+        run = wait_for(durable, waiting, timeout=30)
+    assert run.status == "failed" and run.error["type"] == "WorkflowTimeout"
+
+
+def test_a_throttled_run_once_claimed_waits_for_its_limit_no_more(make_durable):
+    durable = make_durable()
+    api = durable.workflow("api", throttle={"limit": 1, "period": 60, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    @api.step
+    def log(customer):
+        return customer
+
+    def parked() -> float:
+        return durable.metrics.value("durable_flow_waiting", {"workflow": "api", "wait": "throttle"}) or 0
+
+    begun, held_back = (durable.start("api", {"customer": "x"}) for _ in range(2))
+    assert durable.engine.execute(api, api.steps[0], begun, False) != "dropped"
+    assert durable.engine.execute(api, api.steps[0], held_back, False) == "dropped"
+    assert parked() == 1
+    # The throttle counts a run's begin: the begun run's next step goes at once, in the window.
+    assert durable.engine.execute(api, api.steps[1], begun, False) == "completed"
+    # The window moves on: the first begin is older than the period, and the parked run is due.
+    with durable.db.begin() as conn:
+        earlier = durable.db.utcnow() - timedelta(seconds=61)
+        conn.execute(runs.update().where(runs.c.id == begun).values(started_at=earlier))
+        conn.execute(runs.update().where(runs.c.id == held_back).values(due_at=durable.db.utcnow()))
+    assert durable.engine.execute(api, api.steps[0], held_back, False) != "dropped"
+    assert durable.get_run(held_back).status in ("pending", "running")  # its second step to go
+    assert parked() == 0
+
+
 def _due_at(durable, run_id: str):
     with durable.db.engine.connect() as conn:
         return aware(conn.execute(select(runs.c.due_at).where(runs.c.id == run_id)).scalar_one())
@@ -547,12 +632,12 @@ def test_a_run_on_a_paused_queue_is_not_noted_throttled(make_durable):
     assert [a.run_id for a in durable.activity(kinds=["throttled"])] == [second]
 
 
-def _waits_for_the_key_lock(durable, key: str, act, seen) -> None:
-    """``act()`` in a thread waits while another transaction holds the slot key's lock: what
-    ``seen()`` reads changes only once that transaction ends."""
+def _waits_for_the_key_lock(durable, key: str, act, seen, kind: str = "slot", workflow: str = "sync") -> None:
+    """``act()`` in a thread waits while another transaction holds the flow key's lock (a slot
+    key's by default): what ``seen()`` reads changes only once that transaction ends."""
     before, done = seen(), []
     with durable.db.begin() as conn:
-        flow_rows.lock_key_txn(conn, "slot", "sync", key)  # another decision of the key's, in progress
+        flow_rows.lock_key_txn(conn, kind, workflow, key)  # another decision of the key's, in progress
         thread = threading.Thread(target=lambda: done.append(act()))
         thread.start()
         _await_a_key_lock_wait(durable)
@@ -571,6 +656,21 @@ def test_a_claim_and_a_release_wait_for_the_slot_keys_lock(durable):
     release = lambda: flow.release(durable.runtime, wf, "a")  # noqa: E731
     _waits_for_the_key_lock(durable, "a", release, lambda: _parked(durable, parked))
     assert durable.get_run(fresh).status == "completed" and _parked(durable, parked) == []
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_a_throttled_claim_waits_for_the_throttle_keys_lock(durable):
+    api = durable.workflow("api", throttle={"limit": 1, "period": 60, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    run_id = durable.start("api", {"customer": "x"})
+    claim = lambda: durable.engine.execute(api, api.steps[0], run_id, False)  # noqa: E731
+    seen = lambda: durable.get_run(run_id).status  # noqa: E731
+    _waits_for_the_key_lock(durable, "c:x", claim, seen, kind="throttle", workflow="api")
+    assert durable.get_run(run_id).status == "completed"
 
 
 def test_a_compensation_runs_while_every_slot_of_its_key_is_in_use(make_durable):
