@@ -112,6 +112,32 @@ def _drained(durable: Any, run_id: str, name: str, entered: threading.Event, bef
     return result["status"]
 
 
+def test_a_cold_shutdown_during_the_grace_period_ends_it_at_the_next_tick(durable, monkeypatch):
+    """A worker tells its engine how to see Celery's cold-shutdown flag (``cut_short``): set
+    while a grace period runs, the period ends at once; set outside one, it stops nothing."""
+    cold = threading.Event()
+    monkeypatch.setattr(durable.engine, "cut_short", cold.is_set)
+    wf, entered = _slow_step(durable, "cut_short")
+    run_id = durable.start(wf)
+    result: dict[str, str] = {}
+    runner = threading.Thread(
+        target=lambda: result.update(status=durable.run_message("cut_short", 0, run_id))
+    )
+    runner.start()
+    try:
+        assert entered.wait(10)
+        durable.engine.drain(60)
+        assert not durable.engine.drain_over()
+        cold.set()  # a second Ctrl-C, wherever Celery's handler ran
+        assert durable.engine.drain_over()
+        runner.join(15)
+        assert not runner.is_alive()
+    finally:
+        durable.engine.undrain()
+    assert result == {"status": "handed_back"}
+    assert not durable.engine.drain_over()  # the flag alone, with no shutdown begun, ends nothing
+
+
 def test_a_handed_back_entry_names_the_key_and_keeps_the_lines_logged(make_durable):
     import logging
 
