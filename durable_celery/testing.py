@@ -48,6 +48,7 @@ class Sent:
     attempt: int
     key: str | None
     compensate: bool = False
+    soon: bool = False  # handed to the background publisher (a worker's wake-ups, control's sends)
 
 
 class RecordingOutbox:
@@ -84,7 +85,7 @@ class RecordingOutbox:
         self, workflow: str, run_id: str, step_index: int, attempt: int, key: str | None, soon: bool = False
     ) -> bool:
         """Record one step's message of the named workflow."""
-        return self._record(Sent(workflow, step_index, run_id, attempt, key))
+        return self._record(Sent(workflow, step_index, run_id, attempt, key, soon=soon))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Nothing waits to be sent: True."""

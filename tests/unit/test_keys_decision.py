@@ -99,7 +99,7 @@ def test_after_commit_publishes_then_signals_then_raises_the_refusal():
     with pytest.raises(KeyTaken) as refused:
         after_commit(rt, decision)
     assert refused.value.holder_id == "h1"
-    assert rt.outbox.sent == [Sent("wf", 0, "r1", 1, "k"), Sent("wf", 2, "r2", 3, None)]
+    assert rt.outbox.sent == [Sent("wf", 0, "r1", 1, "k", soon=True), Sent("wf", 2, "r2", 3, None, soon=True)]
     assert signal.sent == [{"sender": rt.sender, "run_id": "r1"}, {"sender": rt.sender, "run_id": "r2"}]
 
 

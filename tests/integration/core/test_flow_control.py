@@ -18,7 +18,7 @@ from durable_celery.core.sweeps import sweep_stale_once
 from durable_celery.models import aware
 from durable_celery.store import flow_rows
 from durable_celery.store.schema import runs
-from durable_celery.testing import RecordingOutbox, wait_for, worker
+from durable_celery.testing import RecordingOutbox, Sent, wait_for, worker
 from tests.conftest import EVERY_STORE
 
 pytestmark = pytest.mark.timeout(120)
@@ -568,6 +568,20 @@ def test_a_throttled_run_once_claimed_waits_for_its_limit_no_more(make_durable):
     assert durable.engine.execute(api, api.steps[0], held_back, False) != "dropped"
     assert durable.get_run(held_back).status in ("pending", "running")  # its second step to go
     assert parked() == 0
+
+
+def test_a_woken_run_is_sent_in_the_background_as_it_stands(make_durable):
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    wf = _define_sync(durable)
+    holder = durable.start("sync", {"tenant": "a", "n": 0})
+    parked = durable.start("sync", {"tenant": "a", "n": 1}, key="order:1")
+    _hold(durable, holder)
+    _park(durable, wf, parked)
+    _end_unannounced(durable, holder)
+    outbox.clear()
+    flow.release(durable.runtime, wf, "a")  # as the worker that ended a step of the key does
+    assert outbox.sent == [Sent("sync", 0, parked, 1, "order:1", soon=True)]
 
 
 def _due_at(durable, run_id: str):
