@@ -52,15 +52,23 @@ def _claimable() -> Any:
 
 
 # Each statement is built once per Database (``db.statement``) and bound per call: a claim under
-# a limit makes several, and building them would cost more than running them.
+# a limit makes several, and building them would cost more than running them. A statement is
+# cached under the name of the function that builds it (each is nested in the function it
+# serves, so the names differ).
 
 
 def _execute(
-    db: Database, conn: Connection, name: str, build: Callable[[], Any], params: dict[str, Any]
+    db: Database,
+    conn: Connection,
+    build: Callable[[], Any],
+    params: dict[str, Any],
+    named_by: Callable[[], Any] | None = None,
 ) -> Any:
+    """Run ``build()``'s statement with ``params``; it is cached under ``build``'s name, or under
+    ``named_by``'s (the builder ``build`` wraps)."""
     clocks = {n: v for n, v in params.items() if isinstance(v, Clock)}
     values = {n: v for n, v in params.items() if not isinstance(v, Clock)} | db.clock_params(clocks)
-    return conn.execute(db.statement(("flow", name), build), values)
+    return conn.execute(db.statement(("flow", (named_by or build).__qualname__), build), values)
 
 
 def _counted(where: list[Any]) -> Any:
@@ -75,11 +83,10 @@ def _counted(where: list[Any]) -> Any:
     return select(func.count()).select_from(inner_query).correlate(None).scalar_subquery()
 
 
-def _counts(
-    db: Database, conn: Connection, name: str, build: Callable[[], list[Any]], params: dict[str, Any]
-) -> Any:
+def _counts(db: Database, conn: Connection, build: Callable[[], list[Any]], params: dict[str, Any]) -> Any:
     """Several bounded counts (``build()``: one list of conditions each) in one statement."""
-    return _execute(db, conn, name, lambda: select(*(_counted(where) for where in build())), params).one()
+    counted = _execute(db, conn, lambda: select(*(_counted(where) for where in build())), params, build)
+    return counted.one()
 
 
 def lock_key_txn(conn: Connection, kind: str, workflow: str, key: str) -> None:
@@ -113,7 +120,7 @@ def lock_run_txn(db: Database, conn: Connection, run_id: str, throttle: bool, sl
         return select(*found).where(runs.c.id == bindparam("p_id"))
 
     params = {"p_id": run_id, "p_throttle": throttle, "p_slot": slot}
-    return _execute(db, conn, "lock_run", build, params).first()
+    return _execute(db, conn, build, params).first()
 
 
 def _before() -> list[Any]:
@@ -131,11 +138,6 @@ def _before() -> list[Any]:
 
 def _of_key(column: str) -> list[Any]:
     return [runs.c.workflow == bindparam("p_wf"), runs.c[column] == bindparam("p_key")]
-
-
-def _holding_slot() -> Any:
-    """A step of the run executes (a compensation holds no slot)."""
-    return and_(runs.c.status == "running", runs.c.locked_by.is_not(None))
 
 
 def _slot_held() -> list[Any]:
@@ -171,7 +173,7 @@ def slot_line_txn(db: Database, conn: Connection, run: Any, bound: int) -> tuple
         return [_slot_held(), [*_slot_parked(), *_before()], [*_slot_idle(db), *_before()]]
 
     params = _key(run.workflow, run.slot_key, bound, p_created=run.created_at, p_id=run.id, p_now=Clock())
-    held, parked, due = _counts(db, conn, "slot_line", build, params)
+    held, parked, due = _counts(db, conn, build, params)
     return int(held), int(parked) + int(due)
 
 
@@ -180,7 +182,7 @@ def slot_use_txn(db: Database, conn: Connection, workflow: str, key: str, bound:
     messages are on the way: they take free slots before any parked run is woken), each counted
     up to ``bound``."""
     params = _key(workflow, key, bound, p_now=Clock())
-    held, due = _counts(db, conn, "slot_use", lambda: [_slot_held(), _slot_idle(db)], params)
+    held, due = _counts(db, conn, lambda: [_slot_held(), _slot_idle(db)], params)
     return int(held), int(due)
 
 
@@ -196,7 +198,7 @@ def wake_parked_txn(db: Database, conn: Connection, workflow: str, key: str, cou
             .limit(bindparam("p_bound"))
         )
 
-    ids = [row.id for row in _execute(db, conn, "parked_oldest", oldest, _key(workflow, key, count))]
+    ids = [row.id for row in _execute(db, conn, oldest, _key(workflow, key, count))]
     if not ids:
         return []
     query = (
@@ -233,7 +235,7 @@ def park_txn(db: Database, conn: Connection, run_id: str, step_index: int, kind:
         )
 
     params = {"p_id": run_id, "p_step": step_index, "p_kind": kind, "p_until": until, "p_now": Clock()}
-    return bool(_execute(db, conn, "park", build, params).rowcount == 1)
+    return bool(_execute(db, conn, build, params).rowcount == 1)
 
 
 def clear_wait_txn(db: Database, conn: Connection, run_id: str) -> None:
@@ -242,7 +244,7 @@ def clear_wait_txn(db: Database, conn: Connection, run_id: str) -> None:
     def build() -> Any:
         return update(runs).where(runs.c.id == bindparam("p_id")).values(flow_wait=None)
 
-    _execute(db, conn, "clear", build, {"p_id": run_id})
+    _execute(db, conn, build, {"p_id": run_id})
 
 
 def _newest(db: Database, column: str, key_column: str, nth: bool = False) -> Any:
@@ -269,7 +271,7 @@ def begins_in_window_txn(
     """When the key's runs began in the last ``period`` seconds, newest first, at most ``limit``."""
     params = _key(workflow, key, limit, p_since=Clock(-period))
     build = lambda: _newest(db, "started_at", "throttle_key")  # noqa: E731
-    return [row[0] for row in _execute(db, conn, "begins", build, params)]
+    return [row[0] for row in _execute(db, conn, build, params)]
 
 
 def throttle_line_ahead_txn(db: Database, conn: Connection, run: Any, bound: int) -> int:
@@ -292,7 +294,7 @@ def throttle_line_ahead_txn(db: Database, conn: Connection, run: Any, bound: int
         ]
 
     params = _key(run.workflow, run.throttle_key, bound, p_created=run.created_at, p_id=run.id, p_now=Clock())
-    return int(_counts(db, conn, "throttle_ahead", build, params)[0])
+    return int(_counts(db, conn, build, params)[0])
 
 
 def window_full_since_txn(
@@ -302,7 +304,7 @@ def window_full_since_txn(
     ``limit``-th newest start (the window frees a place ``period`` after it); else None."""
     params = _key(workflow, key, limit, p_since=Clock(-period))
     build = lambda: _newest(db, "created_at", "rate_key", nth=True)  # noqa: E731
-    found = _execute(db, conn, "starts_full", build, params).first()
+    found = _execute(db, conn, build, params).first()
     return None if found is None else found[0]
 
 
