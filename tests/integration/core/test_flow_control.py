@@ -392,7 +392,7 @@ def test_a_pass_goes_on_after_keys_it_could_wake_nothing_for(make_durable, monke
     full(wa, "k0")
     full(wa, "k9")
     full(wb, "k1")
-    free = _lost_wake_ups(durable, wb, ["k5", "k7"])
+    free = _lost_wake_ups(durable, wb, ["k5", "k7", "k8"])
     outbox.clear()
     waker = flow.SlotWaker(durable.runtime)
     passes = []
@@ -400,8 +400,24 @@ def test_a_pass_goes_on_after_keys_it_could_wake_nothing_for(make_durable, monke
         woken = waker.wake_slots_once()
         passes.append((woken, outbox.run_ids()))
         outbox.clear()
-    # The first pass finds no slot free in its three keys; the next goes on after the last of them.
-    assert passes == [(0, []), (2, free), (0, [])]
+    # The first pass finds no slot free in its three keys; the next goes on after the last of
+    # them (not from it again), the third after the last key there is.
+    assert passes == [(0, []), (3, free), (0, [])]
+
+
+def test_a_pass_passes_over_keys_whose_parked_runs_ended(make_durable, monkeypatch):
+    monkeypatch.setattr(flow, "KEYS_PER_PASS", 2)
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    wf = _define_sync(durable)
+    for tenant in ("a0", "a1"):  # a run parked behind another, then cancelled while parked
+        holder, parked = (durable.start("sync", {"tenant": tenant, "n": n}) for n in range(2))
+        _hold(durable, holder)
+        _park(durable, wf, parked)
+        assert durable.cancel(parked) and durable.get_run(parked).status == "cancelled"
+    free = _lost_wake_ups(durable, wf, ["b0"])
+    outbox.clear()
+    assert flow.SlotWaker(durable.runtime).wake_slots_once() == 1 and outbox.run_ids() == free
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
@@ -607,6 +623,25 @@ def test_a_throttled_run_looks_again_when_its_place_in_the_window_frees(durable)
     frees = [t0 + timedelta(seconds=period), t1 + timedelta(seconds=period)]
     expected = [frees[p % 2] + timedelta(seconds=period * (p // 2) + margin) for p in range(14)]
     assert [_due_at(durable, run_id) for run_id in ids[2:]] == expected
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_run_due_this_very_moment_is_in_the_throttles_line(durable, monkeypatch):
+    api = durable.workflow("api", throttle={"limit": 1, "period": 60, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    frozen = durable.db.utcnow()  # SQLite reads this host's clock: every time below is this one
+    monkeypatch.setattr(durable.db, "clock", lambda: frozen)
+    begun, due_now, third = (durable.start("api", {"customer": "x"}) for _ in range(3))
+    assert durable.engine.execute(api, api.steps[0], begun, False) != "dropped"
+    # ``due_now`` is due at this very moment, its message on the way: it goes before ``third``,
+    # which takes the place after it, two periods on.
+    assert durable.engine.execute(api, api.steps[0], third, False) == "dropped"
+    assert _due_at(durable, third) == frozen + timedelta(seconds=120)
+    assert _due_at(durable, due_now) == frozen
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
