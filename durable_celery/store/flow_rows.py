@@ -228,9 +228,7 @@ def park_txn(db: Database, conn: Connection, run_id: str, step_index: int, kind:
             .values(
                 flow_wait=bindparam("p_kind"),
                 due_at=bindparam("p_until", type_=_TIME),
-                published=False,
-                resends=0,
-                resend_at=None,
+                published=False,  # whatever sends it next sets resends and resend_at afresh
             )
         )
 
@@ -253,9 +251,7 @@ def _newest(db: Database, column: str, key_column: str, nth: bool = False) -> An
     query = (
         select(runs.c[column])
         .where(
-            *_of_key(key_column),
-            runs.c[key_column].is_not(None),
-            runs.c[column].is_not(None),
+            *_of_key(key_column),  # with the comparison below: the partial index's IS NOT NULLs
             runs.c[column] > db.clock_expression("p_since", Clock(-1)),
         )
         .order_by(runs.c[column].desc())

@@ -625,6 +625,27 @@ def test_a_throttled_run_looks_again_when_its_place_in_the_window_frees(durable)
     assert [_due_at(durable, run_id) for run_id in ids[2:]] == expected
 
 
+@pytest.mark.parametrize("backend", ["postgres", "sqlite"])
+def test_a_throttle_lowered_below_the_begins_in_its_window_waits_for_the_newest_to_leave(durable):
+    period, margin = 60, flow.CLOCK_MARGIN if durable.db.is_postgres else 0.0
+    api = durable.workflow("api", throttle={"limit": 1, "period": period, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    *earlier, run_id = (durable.start("api", {"customer": "x"}) for _ in range(4))
+    now = durable.db.utcnow()
+    # Three begins in the window, more than the limit allows (a deploy lowered it from 3).
+    begins = [now - timedelta(seconds=s) for s in (30, 20, 10)]
+    with durable.db.begin() as conn:
+        for earlier_id, at in zip(earlier, begins, strict=True):
+            done = {"status": "completed", "started_at": at, "finished_at": at}
+            conn.execute(runs.update().where(runs.c.id == earlier_id).values(**done))
+    assert durable.engine.execute(api, api.steps[0], run_id, False) == "dropped"
+    assert _due_at(durable, run_id) == begins[-1] + timedelta(seconds=period + margin)
+
+
 @pytest.mark.parametrize("backend", ["sqlite"])
 def test_a_run_due_this_very_moment_is_in_the_throttles_line(durable, monkeypatch):
     api = durable.workflow("api", throttle={"limit": 1, "period": 60, "key": "c:{customer}"})
