@@ -201,9 +201,10 @@ def wake_parked_txn(db: Database, conn: Connection, workflow: str, key: str, cou
     ids = [row.id for row in _execute(db, conn, oldest, _key(workflow, key, count))]
     if not ids:
         return []
+    # Under the key's lock (or SQLite's one writer) nothing else wakes them in between.
     query = (
         update(runs)
-        .where(runs.c.id.in_(ids), runs.c.flow_wait == _SLOT_SQL)
+        .where(runs.c.id.in_(ids))
         .values(flow_wait=None, due_at=db.now(), published=True, resends=0, resend_at=None)
         .returning(*_WOKEN)
     )

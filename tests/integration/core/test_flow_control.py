@@ -600,6 +600,90 @@ def test_a_woken_run_is_sent_in_the_background_as_it_stands(make_durable):
     assert outbox.sent == [Sent("sync", 0, parked, 1, "order:1", soon=True)]
 
 
+def test_a_woken_run_counts_as_sent_and_its_resends_start_afresh(make_durable):
+    from durable_celery.worker.relay import relay_once
+    from tests.integration.helpers import run_row
+
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    wf = _define_sync(durable)
+    holder, parked = (durable.start("sync", {"tenant": "a", "n": n}) for n in range(2))
+    # Its message went out three times before (the relay's re-sends), the last long ago.
+    long_ago = durable.db.utcnow() - timedelta(hours=1)
+    with durable.db.begin() as conn:
+        conn.execute(runs.update().where(runs.c.id == parked).values(resends=3, resend_at=long_ago))
+    _hold(durable, holder)
+    _park(durable, wf, parked)
+    _end_unannounced(durable, holder)
+    flow.release(durable.runtime, wf, "a")
+    outbox.clear()
+    # Its wake-up message is on its way: the relay neither sends it (it is sent) nor sends it
+    # again (its first re-send is relay_after from now), and its re-sends count from 0.
+    assert relay_once(durable.runtime, durable.app) == 0 and outbox.sent == []
+    row = run_row(durable, parked)
+    assert (row.published, row.resends, row.resend_at) == (True, 0, None)
+
+
+def test_the_parked_runs_are_woken_in_start_order_created_at_then_id(make_durable):
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    wf = _define_sync(durable)
+    holder = durable.start("sync", {"tenant": "a", "n": 0})
+    started = [durable.start("sync", {"tenant": "a", "n": n}) for n in range(1, 4)]
+    _hold(durable, holder)
+    _park(durable, wf, *started)
+    low, high = sorted(started[:2])  # ids: the lower one goes first among runs started at once
+    with durable.db.engine.connect() as conn:
+        at = conn.execute(select(runs.c.created_at).where(runs.c.id == high)).scalar_one()
+    with durable.db.begin() as conn:
+        # The third was started before them all (its id says otherwise); the lower id's row is
+        # written again (stored after the other now), started at the same moment as the higher.
+        conn.execute(
+            runs.update().where(runs.c.id == started[2]).values(created_at=at - timedelta(seconds=1))
+        )
+        conn.execute(runs.update().where(runs.c.id == low).values(created_at=at))
+    _end_unannounced(durable, holder)
+    order = []
+    for _ in range(3):  # one slot: each run woken takes it, and ends
+        outbox.clear()
+        flow.release(durable.runtime, wf, "a")
+        (woken,) = outbox.run_ids()
+        order.append(woken)
+        _end_unannounced(durable, woken)
+    assert order == [started[2], low, high]
+
+
+def test_a_message_for_a_run_not_waiting_at_that_step_parks_nothing(make_durable):
+    durable = make_durable()
+    wf = durable.workflow("sync", concurrency={"limit": 1, "key": "{tenant}"})
+
+    @wf.step
+    def first(tenant, n):
+        return n
+
+    @wf.step
+    def second(tenant, n):
+        return n
+
+    holder, moved_on, running, undoing, ended = (
+        durable.start("sync", {"tenant": "a", "n": n}) for n in range(5)
+    )
+    _hold(durable, holder)  # the key's one slot, in use
+    with durable.db.begin() as conn:
+        conn.execute(runs.update().where(runs.c.id == moved_on).values(step_index=1))
+        # Its compensation is due (a compensation needs no slot).
+        conn.execute(runs.update().where(runs.c.id == undoing).values(status="compensating"))
+    _hold(durable, running)  # a worker runs its step (a message delivered twice)
+    assert durable.cancel(ended)
+    late = (moved_on, running, undoing, ended)
+    # A late or repeated message of step 0 finds each one's key full, and parks none of them.
+    for run_id in late:
+        assert durable.engine.execute(wf, wf.steps[0], run_id, False) == "dropped"
+    assert _parked(durable, *late) == []
+    assert durable.engine.execute(wf, wf.steps[1], moved_on, False) == "dropped"  # its own step: parked
+    assert _parked(durable, *late) == [moved_on]
+
+
 def _due_at(durable, run_id: str):
     with durable.db.engine.connect() as conn:
         return aware(conn.execute(select(runs.c.due_at).where(runs.c.id == run_id)).scalar_one())
