@@ -665,23 +665,47 @@ def test_a_message_for_a_run_not_waiting_at_that_step_parks_nothing(make_durable
     def second(tenant, n):
         return n
 
-    holder, moved_on, running, undoing, ended = (
-        durable.start("sync", {"tenant": "a", "n": n}) for n in range(5)
+    holder, moved_on, running, undoing, ended, later = (
+        durable.start("sync", {"tenant": "a", "n": n}) for n in range(6)
     )
     _hold(durable, holder)  # the key's one slot, in use
+    in_an_hour = durable.db.utcnow() + timedelta(hours=1)
     with durable.db.begin() as conn:
         conn.execute(runs.update().where(runs.c.id == moved_on).values(step_index=1))
+        conn.execute(runs.update().where(runs.c.id == later).values(due_at=in_an_hour))  # snoozed, say
         # Its compensation is due (a compensation needs no slot).
         conn.execute(runs.update().where(runs.c.id == undoing).values(status="compensating"))
     _hold(durable, running)  # a worker runs its step (a message delivered twice)
     assert durable.cancel(ended)
-    late = (moved_on, running, undoing, ended)
+    late = (moved_on, running, undoing, ended, later)
     # A late or repeated message of step 0 finds each one's key full, and parks none of them.
     for run_id in late:
         assert durable.engine.execute(wf, wf.steps[0], run_id, False) == "dropped"
     assert _parked(durable, *late) == []
     assert durable.engine.execute(wf, wf.steps[1], moved_on, False) == "dropped"  # its own step: parked
     assert _parked(durable, *late) == [moved_on]
+    assert _due_at(durable, later) == in_an_hour
+
+
+def test_a_throttled_run_is_sent_by_the_relay_as_soon_as_its_look_again_is_due(make_durable):
+    from durable_celery.worker.relay import relay_once
+
+    outbox = RecordingOutbox()
+    durable = make_durable(outbox=outbox)
+    api = durable.workflow("api", throttle={"limit": 1, "period": 60, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    begun, held_back = (durable.start("api", {"customer": "x"}) for _ in range(2))
+    assert durable.engine.execute(api, api.steps[0], begun, False) != "dropped"
+    assert durable.engine.execute(api, api.steps[0], held_back, False) == "dropped"
+    outbox.clear()
+    assert relay_once(durable.runtime, durable.app) == 0  # parked until its place frees
+    with durable.db.begin() as conn:  # the time to look again has come
+        conn.execute(runs.update().where(runs.c.id == held_back).values(due_at=durable.db.utcnow()))
+    assert relay_once(durable.runtime, durable.app) == 1 and outbox.run_ids() == [held_back]
 
 
 def _due_at(durable, run_id: str):
