@@ -37,11 +37,6 @@ log = logging.getLogger("durable_celery")
 _HOST = socket.gethostname()
 
 
-def _never() -> bool:
-    """No cold shutdown cuts a grace period short (an engine outside a Celery worker)."""
-    return False
-
-
 def process_node(pid: int) -> str:
     """How a process of this host names itself in ``locked_by``: ``host:pid``."""
     return f"{_HOST}:{pid}"
@@ -60,9 +55,8 @@ class Engine:
         # Whether the worker sends task events (set by its upkeep), for inline steps' events.
         self.task_events = multiprocessing.RawValue("b", 0)
         self.worker_pid = 0  # the Celery worker process this engine runs in, once it starts (upkeep.py)
-        # Has a cold shutdown been asked for in this process? The worker's upkeep says how to
-        # tell (Celery's own flag); it cuts a grace period short (drain_over).
-        self.cut_short: Callable[[], bool] = _never
+        # Has a cold shutdown cut the grace period short? A worker's upkeep asks Celery's flag.
+        self.cut_short: Callable[[], bool] = lambda: False
 
     @property
     def node(self) -> str:
@@ -515,11 +509,8 @@ class Engine:
 
     def drain(self, grace: float) -> None:
         """Start a graceful shutdown: steps see ``shutting_down()``; those still running after
-        ``grace`` seconds are stopped and their runs handed back (compensations run on).
-
-        The flag lives in shared memory made before the pool forks, so prefork children see
-        it too; each process's heartbeat thread stops its own steps when the time is up.
-        """
+        ``grace`` seconds are stopped and their runs handed back (compensations run on). The flag
+        is in shared memory made before the pool forks: prefork children see it too."""
         if self._drain_at.value:
             return
         log.warning("durable: draining; running steps get %.0fs to finish", grace)
@@ -527,8 +518,7 @@ class Engine:
         self.heartbeater.poke()
 
     def hand_back_now(self) -> None:
-        """End the grace period now (a cold shutdown): this process's running steps are stopped
-        and their runs handed back."""
+        """End the grace period now (a cold shutdown): running steps are stopped, handed back."""
         self._drain_at.value = time.time()
         self.heartbeater.poke()
 
@@ -542,8 +532,7 @@ class Engine:
 
     def drain_over(self) -> bool:
         """Is the grace period of a graceful shutdown over, or has a cold shutdown cut it short?"""
-        at = self._drain_at.value
-        return bool(at) and (time.time() >= at or self.cut_short())
+        return bool(self._drain_at.value) and (time.time() >= self._drain_at.value or self.cut_short())
 
     def _snooze(
         self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed, logs: list[dict[str, Any]] | None
