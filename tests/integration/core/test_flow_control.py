@@ -911,10 +911,10 @@ def test_throttle_spaces_the_begins_in_start_order_and_drops_none(durable):
             assert wait_for(durable, run_id, timeout=60).status == "completed"
     assert sorted(begun) == list(range(6))
     began = [durable.get_run(run_id).started_at for run_id in ids]  # in start order
-    # Start order: no run begins a window after one started later (two that begin in the same
-    # moment, both with a place, may be claimed either way round).
+    # Start order: no run begins a window (1 s) after one started later. Two whose places free
+    # in the same moment may be claimed either way round, by however busy a worker's threads are.
     for earlier, later in zip(began, began[1:], strict=False):
-        assert earlier <= later + timedelta(seconds=0.2)
+        assert earlier <= later + timedelta(seconds=0.5)
     starts = sorted(began)
     for i in range(2, 6):  # any 3 consecutive begins span at least the period
         assert (starts[i] - starts[i - 2]).total_seconds() >= 1.0 - 0.01
