@@ -708,6 +708,75 @@ def test_a_throttled_run_is_sent_by_the_relay_as_soon_as_its_look_again_is_due(m
     assert relay_once(durable.runtime, durable.app) == 1 and outbox.run_ids() == [held_back]
 
 
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_a_claim_takes_no_lock_of_a_limit_its_workflow_no_longer_has(make_durable):
+    before = make_durable()
+    old = before.workflow(
+        "sync",
+        concurrency={"limit": 1, "key": "{tenant}"},
+        throttle={"limit": 5, "period": 60, "key": "c:{tenant}"},
+    )
+    old.step(lambda tenant: tenant, name="work")
+    run_id = before.start("sync", {"tenant": "a"})  # its row names a throttle key, c:a
+    after = make_durable("after")
+    new = after.workflow("sync", concurrency={"limit": 1, "key": "{tenant}"})  # a deploy removed the throttle
+    new.step(lambda tenant: tenant, name="work")
+    done: list[str] = []
+    with after.db.begin() as conn:
+        flow_rows.lock_key_txn(
+            conn, "throttle", "sync", "c:a"
+        )  # a decision of the old throttle's, in progress
+        claim = threading.Thread(
+            target=lambda: done.append(after.engine.execute(new, new.steps[0], run_id, False))
+        )
+        claim.start()
+        claim.join(10)
+        assert done == ["completed"]  # it went on without the throttle key's lock
+
+
+def test_a_throttled_run_counts_the_line_ahead_of_it_up_to_its_windows(durable, monkeypatch):
+    monkeypatch.setattr(flow, "LINE_WINDOWS", 2)  # the line is counted up to 2 windows' worth
+    period, margin = 60, flow.CLOCK_MARGIN if durable.db.is_postgres else 0.0
+    api = durable.workflow("api", throttle={"limit": 1, "period": period, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    begun, *line = (durable.start("api", {"customer": "x"}) for _ in range(6))
+    assert durable.engine.execute(api, api.steps[0], begun, False) != "dropped"
+    for run_id in line:
+        assert durable.engine.execute(api, api.steps[0], run_id, False) == "dropped"
+    t0 = durable.get_run(begun).started_at
+    # Places 0, 1, then 2 for all the runs further back: they look again two windows on.
+    windows = [1, 2, 3, 3, 3]
+    assert [_due_at(durable, run_id) for run_id in line] == [
+        t0 + timedelta(seconds=period * w + margin) for w in windows
+    ]
+
+
+def test_a_run_started_earlier_is_ahead_in_the_throttles_line_whatever_its_id(durable):
+    period, margin = 60, flow.CLOCK_MARGIN if durable.db.is_postgres else 0.0
+    api = durable.workflow("api", throttle={"limit": 1, "period": period, "key": "c:{customer}"})
+
+    @api.step
+    def call(customer):
+        return customer
+
+    begun, low, high = (durable.start("api", {"customer": "x"}) for _ in range(3))
+    low, high = sorted((low, high))
+    assert durable.engine.execute(api, api.steps[0], begun, False) != "dropped"
+    with durable.db.engine.connect() as conn:
+        at = conn.execute(select(runs.c.created_at).where(runs.c.id == low)).scalar_one()
+    with durable.db.begin() as conn:  # the higher id was started first
+        conn.execute(runs.update().where(runs.c.id == high).values(created_at=at - timedelta(seconds=1)))
+    for run_id in (high, low):
+        assert durable.engine.execute(api, api.steps[0], run_id, False) == "dropped"
+    t0 = durable.get_run(begun).started_at
+    assert _due_at(durable, high) == t0 + timedelta(seconds=period + margin)
+    assert _due_at(durable, low) == t0 + timedelta(seconds=2 * period + margin)  # behind the higher id
+
+
 def _due_at(durable, run_id: str):
     with durable.db.engine.connect() as conn:
         return aware(conn.execute(select(runs.c.due_at).where(runs.c.id == run_id)).scalar_one())
