@@ -295,7 +295,9 @@ def _await_a_key_lock_wait(durable) -> None:
     )
     deadline = time.monotonic() + 30
     with durable.db.engine.connect() as watch:
+        # pg_stat_activity is read once per transaction: each look is a transaction of its own.
         while watch.execute(waiting).scalar_one() == 0:
+            watch.rollback()
             assert time.monotonic() < deadline, "nothing waited for the key's lock"
             time.sleep(0.02)
 
