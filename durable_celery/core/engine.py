@@ -250,10 +250,8 @@ class Engine:
             if done:
                 details = {"step": row.step_name, "node": process_node(pid), "reason": reason}
                 activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
+        # Its concurrency slot stays its own: due now, it is counted before any parked run.
         log.warning("durable: run %s step %s handed back: %s", row.id, row.step_name, reason)
-        workflow = self.rt.registry.workflows.get(row.workflow)
-        if done and workflow is not None:
-            flow.release(self.rt, workflow, row.slot_key)
         return "handed_back" if done else "dropped"
 
     # -- results --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import update
 
 from durable_celery import current_run
+from durable_celery.core import flow
 from durable_celery.core.engine import process_node
 from durable_celery.models import aware
 from durable_celery.store import queries
@@ -240,3 +241,24 @@ def test_a_lost_compensation_whose_run_was_taken_back_meanwhile_names_the_dead_p
     (entry,) = durable.activity(kinds=["worker_fenced"], run_id=run_id)
     assert (entry.details["step"], entry.details["node"]) == ("first", process_node(DEAD_PID))
     assert durable.list_steps(run_id) == []
+
+
+@pytest.mark.parametrize("retry", [1, 2])
+def test_a_lost_process_frees_its_slot_for_the_run_parked_behind_it(durable, retry):
+    """The run failed, or backs off before its next attempt: either way its step holds the
+    concurrency slot no more, and the run parked longest for it is woken."""
+    wf = durable.workflow("limited", concurrency={"limit": 1, "key": "{tenant}"})
+
+    @wf.step(retry=retry)
+    def work(tenant):
+        return tenant
+
+    first, second = durable.start(wf, {"tenant": "t"}), durable.start(wf, {"tenant": "t"})
+    assert flow.claim(durable.runtime, wf, wf.steps[0], first, f"{process_node(DEAD_PID)}:7", False)
+    assert durable.engine.execute(wf, wf.steps[0], second, False) == "dropped"
+    assert run_row(durable, second).flow_wait == "slot"
+
+    status = durable.engine.record_lost(wf, wf.steps[0], first, DEAD_PID, "signal 9 (SIGKILL)")
+
+    assert status == ("failed" if retry == 1 else "retrying")
+    assert run_row(durable, second).flow_wait is None
