@@ -88,7 +88,7 @@ class Engine:
                     row = result.continued
                     budget.steps_left -= 1
                     following = workflow.steps[row.step_index]
-                    shown = events.started(workflow, following, row) if events is not None else None
+                    shown = events.started(following, row) if events is not None else None
                     result = self.run_claimed(workflow, following, row)
                     self._free_slot(workflow, row, result)
                     if events is not None:

@@ -168,7 +168,7 @@ class InlineEvents:
             log.warning("durable: could not send the %s event of an inline step: %r", type_, exc)
             self.close()
 
-    def started(self, workflow: Workflow, step: Step, row: Any) -> tuple[str, float, str]:
+    def started(self, step: Step, row: Any) -> tuple[str, float, str]:
         """Announce an inline step as received and started; returns its task id, start time
         and run id."""
         task_id = str(uuid.uuid4())

@@ -63,3 +63,25 @@ def test_a_fake_leaves_paused_queues_finished_runs_and_other_workflows_alone():
     assert fake.run_until_idle() == 1 and ran == ["paused"]
     assert fake.get_run(paused).status == "completed"
     fake.close()
+
+
+def test_a_fake_runs_one_step_per_step_message_its_task_is_handed():
+    """Guards mutants of durable_celery/core/engine.py: steps run in the calling thread run one
+    at a time, as ``run_until_idle`` hands them out, even when a step's Celery task is called
+    with a queue (a worker's inline continuation is off)."""
+    from durable_celery.testing import Fake
+
+    fake = Fake()
+    wf = fake.workflow("stepwise")
+    wf.step(lambda: 1, name="first")
+    wf.step(lambda: 2, name="second")
+    run_id = fake.start(wf)
+
+    queue = fake.app.conf.task_default_queue  # the steps' queue: a worker would go on inline
+    fake.app.tasks[wf.steps[0].task_name].apply(kwargs={"run_id": run_id}, routing_key=queue)
+
+    assert [s.name for s in fake.list_steps(run_id)] == ["first"]
+    assert fake.get_run(run_id).status == "running"
+    assert fake.run_until_idle() == 1
+    assert fake.get_run(run_id).status == "completed"
+    fake.close()

@@ -321,16 +321,21 @@ def test_an_inline_chain_goes_on_after_an_outage_interrupted_a_write(durable, mo
 def _task_events_of_a_message(durable: Any, run_id: str) -> list[str]:
     """Hand the run's first step message to its Celery task in this process (as a worker on the
     test's queue would) and return the types of the task events sent meanwhile."""
+    return [event["type"] for event in _task_event_bodies_of_a_message(durable, run_id)]
+
+
+def _task_event_bodies_of_a_message(durable: Any, run_id: str) -> list[dict[str, Any]]:
+    """As above, the events themselves."""
     import uuid
 
     from celery.events.event import get_exchange
     from kombu import Consumer, Queue
 
     workflow = durable.workflows["evented"]
-    types: list[str] = []
+    events: list[dict[str, Any]] = []
 
     def note(body: Any, message: Any) -> None:
-        types.extend(event["type"] for event in (body if isinstance(body, list) else [body]))
+        events.extend(body if isinstance(body, list) else [body])
 
     def drain(conn: Any, seconds: float) -> None:
         try:
@@ -347,7 +352,7 @@ def _task_events_of_a_message(durable: Any, run_id: str) -> list[str]:
             task = durable.app.tasks[workflow.steps[0].task_name]
             task.apply(kwargs={"run_id": run_id}, routing_key=durable.app.conf.task_default_queue)
             drain(conn, 0.5)
-    return types
+    return events
 
 
 @on_each_broker
@@ -366,3 +371,60 @@ def test_a_durable_sends_no_task_events_for_inline_steps_until_its_worker_says_i
     shown = durable.start(wf)
     assert _task_events_of_a_message(durable, shown)[:2] == ["task-received", "task-started"]
     assert durable.get_run(shown).status == "completed"
+
+
+@on_each_broker
+def test_each_inline_step_shows_as_a_task_of_its_own_that_succeeded_with_what_came_next(durable):
+    """Guards mutants of durable_celery/core/engine.py: what an inline step came to reaches its
+    task events (received, started, succeeded, with the step it went on to or how the run ended)."""
+    wf = durable.workflow("evented")
+    for name in ("first", "second", "third"):
+        wf.step(lambda name=name: name, name=name)
+    durable.engine.task_events.value = 1
+    run_id = durable.start(wf)
+
+    events = _task_event_bodies_of_a_message(durable, run_id)
+
+    assert durable.get_run(run_id).status == "completed"
+    assert [e["type"] for e in events] == ["task-received", "task-started", "task-succeeded"] * 2
+    second, third = events[:3], events[3:]
+    assert [e["uuid"] for e in second] == [second[0]["uuid"]] * 3 != [third[0]["uuid"]] * 3
+    assert [e["uuid"] for e in third] == [third[0]["uuid"]] * 3
+    assert (second[0]["name"], third[0]["name"]) == (wf.steps[1].task_name, wf.steps[2].task_name)
+    assert run_id in second[0]["kwargs"] and "second" in second[0]["kwargs"]
+    assert second[2]["result"] == repr({"run_id": run_id, "step": "second", "next": "third"})
+    assert third[2]["result"] == repr({"run_id": run_id, "step": "third", "run": "completed"})
+
+
+def test_a_limited_runs_inline_chain_keeps_its_slot_until_its_last_step_ends(durable):
+    """Guards mutants of durable_celery/core/engine.py: a run that goes on inline holds its
+    concurrency slot from step to step, and frees it for the run parked behind it when the
+    chain ends in this call."""
+    wf = durable.workflow("limited_chain", concurrency={"limit": 1, "key": "{tenant}"})
+    runs: dict[str, str] = {}
+    parked: list[str] = []
+
+    def park_the_other() -> None:  # from another thread, as another worker's message would
+        parked.append(durable.engine.execute(wf, wf.steps[0], runs["b"], False))
+
+    @wf.step
+    def first(tenant):
+        if current_run().id == runs["a"]:
+            other = threading.Thread(target=park_the_other)
+            other.start()
+            other.join(20)
+
+    @wf.step
+    def second(tenant):
+        parked.append(run_row(durable, runs["b"]).flow_wait)
+
+    runs["a"] = durable.start(wf, {"tenant": "t"})
+    runs["b"] = durable.start(wf, {"tenant": "t"})
+    queue = run_row(durable, runs["a"]).queue
+
+    result = durable.engine.run_message(wf, wf.steps[0], runs["a"], False, queue)
+
+    assert result.status == "running"  # the message's own step; the chain went on inline
+    assert durable.get_run(runs["a"]).status == "completed"
+    assert parked == ["dropped", "slot"]  # b parked, and still parked while a's second step ran
+    assert run_row(durable, runs["b"]).flow_wait is None  # woken when a's chain ended

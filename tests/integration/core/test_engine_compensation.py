@@ -18,7 +18,7 @@ from sqlalchemy import update
 from durable_celery import current_run
 from durable_celery.store.schema import runs
 from tests.integration.core.helpers import take_over_run, undo_flow
-from tests.integration.helpers import run_row
+from tests.integration.helpers import delete_queue, run_row
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,23 +47,28 @@ def test_a_compensation_message_runs_the_compensation_not_the_step(durable):
 def test_compensations_run_back_to_front_each_sent_on_its_queue(durable):
     wf = durable.workflow("undo_chain")
     done: list[str] = []
-    wf.step(lambda: 1, name="a", compensate=lambda: done.append("undo a") or "a undone")
+    a_queue = f"{durable.app.conf.task_default_queue}-a"  # the run's queue is its next step's
+    wf.step(lambda: 1, name="a", queue=a_queue, compensate=lambda: done.append("undo a") or "a undone")
     wf.step(lambda: 2, name="b", compensate=lambda: done.append("undo b") or "b undone")
 
     @wf.step
     def c():
         raise ValueError("declined")
 
-    run_id = durable.start(wf)
-    for index in range(2):
-        assert durable.run_message("undo_chain", index, run_id) == "running"
-    assert durable.run_message("undo_chain", 2, run_id) == "compensating"
+    try:
+        run_id = durable.start(wf)
+        for index in range(2):
+            assert durable.run_message("undo_chain", index, run_id) == "running"
+        assert durable.run_message("undo_chain", 2, run_id) == "compensating"
+        assert run_row(durable, run_id).queue == durable.app.conf.task_default_queue  # b's
 
-    assert durable.run_message("undo_chain", 1, run_id, compensate=True) == "compensating"
+        assert durable.run_message("undo_chain", 1, run_id, compensate=True) == "compensating"
+    finally:
+        delete_queue(durable.app, a_queue)  # the messages this test's run_message stood in for
     row = run_row(durable, run_id)
     assert (row.status, row.step_index, row.step_name) == ("compensating", 0, "a")
     assert (row.attempt, row.losses) == (1, 0)
-    assert row.queue == durable.app.conf.task_default_queue and row.published is True
+    assert row.queue == a_queue and row.published is True
     assert row.due_at is not None and row.locked_by is None
 
     assert durable.run_message("undo_chain", 0, run_id, compensate=True) == "compensated"
