@@ -130,8 +130,8 @@ class Engine:
 
     def _free_slot(self, workflow: Workflow, row: Any, result: MessageResult) -> None:
         """The step's concurrency slot is free (unless its run went on inline): wake the run
-        parked longest for it."""
-        if workflow.concurrency is not None and result.continued is None:
+        parked longest for it (``release`` looks only at a workflow with a concurrency limit)."""
+        if result.continued is None:
             flow.release(self.rt, workflow, row.slot_key)
 
     def run_claimed(
