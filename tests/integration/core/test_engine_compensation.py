@@ -220,3 +220,21 @@ def test_a_compensated_run_hands_its_key_to_the_run_waiting_behind_it(durable):
     assert durable.get_run(behind).status == "pending"
     (handed,) = durable.activity(kinds=["key_handed_off"], run_id=behind)
     assert (handed.details["from"], handed.details["from_status"]) == (holder, "compensated")
+
+
+def test_a_limited_workflows_compensation_message_runs_its_compensation(durable):
+    """A workflow with a concurrency limit claims through its limit (flow.py); a compensation
+    message is still claimed as a compensation, whatever the limit."""
+    wf = durable.workflow("undo_limited", concurrency={"limit": 1, "key": "{tenant}"})
+    undone: list[str] = []
+    wf.step(lambda tenant: 1, name="first", compensate=lambda tenant: undone.append(tenant))
+
+    @wf.step
+    def second(tenant):
+        raise ValueError("declined")
+
+    run_id = durable.start(wf, {"tenant": "t"})
+    assert durable.run_message("undo_limited", 0, run_id) == "running"
+    assert durable.run_message("undo_limited", 1, run_id) == "compensating"
+    assert durable.run_message("undo_limited", 0, run_id, compensate=True) == "compensated"
+    assert undone == ["t"]

@@ -217,3 +217,14 @@ def test_drain_outside_a_worker_is_refused_and_changes_nothing(durable, monkeypa
         durable.drain()
     assert not durable.engine.shutting_down() and state.should_stop is None
     assert signalled == []
+
+
+def test_a_grace_period_is_not_over_before_its_end(durable):
+    """Begun, a graceful shutdown's period runs until its end (or a cold shutdown: ``cut_short``,
+    which a worker's upkeep sets): an engine outside a worker never cuts it short."""
+    engine = durable.engine
+    engine.drain(60)
+    try:
+        assert engine.shutting_down() and not engine.drain_over()
+    finally:
+        engine.undrain()
