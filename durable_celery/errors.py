@@ -155,14 +155,15 @@ class SchemaOutdated(DurableError):
 
     FIX = "run `celery -A <app> durable migrate` (Django: `python manage.py migrate`)"
 
-    def __init__(self, url: str, reason: str) -> None:
-        self.url, self.reason = url, reason  # url with its password masked; the driver's first line
+    def __init__(self, url: str, reason: str, fix: str | None = None) -> None:
+        # url with its password masked; the driver's first line; the project's own fix, if known
+        self.url, self.reason, self.fix = url, reason, fix or self.FIX
         super().__init__(
-            f"the database at {url} has no durable schema, or one older than this code ({reason}); {self.FIX}"
+            f"the database at {url} has no durable schema, or one older than this code ({reason}); {self.fix}"
         )
 
-    def __reduce__(self) -> tuple[type[SchemaOutdated], tuple[str, str]]:
-        return (type(self), (self.url, self.reason))
+    def __reduce__(self) -> tuple[type[SchemaOutdated], tuple[str, str, str]]:
+        return (type(self), (self.url, self.reason, self.fix))
 
 
 class Unsupported(DurableError):

@@ -103,9 +103,10 @@ def explain(error: BaseException, url: str) -> list[str]:
     if isinstance(error, NotConfigured):
         return [str(error)]
     if isinstance(error, SchemaOutdated):
+        default = f"run `celery -A {app_argument()} durable migrate`"
         return [
             f"the database at {error.url} has no durable schema, or an old one ({error.reason})",
-            f"fix: run `celery -A {app_argument()} durable migrate`",
+            f"fix: {error.fix if error.fix != error.FIX else default}",
         ]
     reason = _first_line(error)
     if isinstance(error, DurableError):

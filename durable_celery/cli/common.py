@@ -22,7 +22,17 @@ def durable_of(ctx: click.Context) -> Durable:
         if given_app() is None:
             raise NotConfigured(f"no -A given: run `celery -A yourmodule durable {ctx.info_name} ...`")
         raise NotConfigured("the app given with -A has no Durable(app); create one in its module")
+    load_workflows(app)
     return durable
+
+
+def load_workflows(app: Any) -> None:
+    """Import the app's modules as a worker does at start (``include``, ``imports``, the
+    modules ``autodiscover_tasks`` finds; in a Django project, after ``django.setup()``), so a
+    command knows every workflow they define. Once per process."""
+    if not getattr(app, "_durable_modules_loaded", False):
+        app.loader.import_default_modules()
+        app._durable_modules_loaded = True
 
 
 def or_fail(fn: Any, *args: Any) -> Any:

@@ -272,6 +272,8 @@ class Database:
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._pid = os.getpid()
+        # How this project migrates the schema, for SchemaOutdated (None: `celery durable migrate`).
+        self.migrate_fix: str | None = None
         self._statements: dict[Any, Any] = {}
         # Called with the seconds each pool checkout waited (metrics.py, bench/pool.py).
         self.pool_wait_observers: list[Callable[[float], None]] = []
@@ -356,7 +358,7 @@ class Database:
         if context.is_pre_ping:
             return
         if schema_missing(context.original_exception):
-            raise SchemaOutdated(self.masked_url, short_reason(context.original_exception))
+            raise SchemaOutdated(self.masked_url, short_reason(context.original_exception), self.migrate_fix)
         if not connection_lost(context.original_exception, context.is_disconnect):
             return
         context.is_disconnect = True  # drop the connection (and the pool): none of it is usable

@@ -134,5 +134,5 @@ def _translated(db: Any, conn: Connection, sql: str, exc: psycopg.Error) -> Exce
         conn.invalidate(exc)
         return DatabaseUnavailable(db.masked_url, short_reason(exc))
     if schema_missing(exc):
-        return SchemaOutdated(db.masked_url, short_reason(exc))
+        return SchemaOutdated(db.masked_url, short_reason(exc), db.migrate_fix)
     return DBAPIError.instance(sql, None, exc, psycopg.Error, hide_parameters=True, dialect=dialect)

@@ -235,34 +235,48 @@ def announce_draining(rt: Runtime, worker: Any, grace: float) -> None:
         log.exception("durable: a worker_draining receiver failed")
 
 
+def refuse_to_start(message: str) -> None:
+    """Stop a starting worker (exit code 1), saying why once: in the worker's log, and on the
+    terminal only when the log does not already go there (a --logfile)."""
+    log.critical(message)
+    if not _logged_to_terminal(log):
+        print(message, file=sys.__stderr__, flush=True)
+    raise WorkerShutdown(1)
+
+
+def _logged_to_terminal(logger: logging.Logger) -> bool:
+    """Does a CRITICAL record of ``logger`` reach a handler writing to standard error?"""
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            if getattr(handler, "stream", None) in (sys.stderr, sys.__stderr__):
+                return True
+        current = current.parent if current.propagate else None
+    return False
+
+
 def refuse_old_schema(rt: Runtime) -> None:
     """Stop a starting worker whose database is behind this code's schema (exit code 1), with
     one line naming the pending revisions and the command that applies them."""
     if rt.db.bad_url is not None:  # no database at all can be reached with this URL
-        log.critical("durable: %s", rt.db.bad_url)
-        print(f"durable: {rt.db.bad_url}", file=sys.stderr, flush=True)
-        raise WorkerShutdown(1)
+        refuse_to_start(f"durable: {rt.db.bad_url}")
     try:
         pending = migrate.pending_revisions(rt.db)
     except DatabaseUnavailable as exc:
         if exc.misconfigured:  # no such database or user: a configuration error, not an outage
-            message = f"durable: database unavailable at {exc.url} ({exc.reason}); fix: {exc.fix}"
-            log.critical(message)
-            print(message, file=sys.stderr, flush=True)
-            raise WorkerShutdown(1) from None
+            refuse_to_start(f"durable: database unavailable at {exc.url} ({exc.reason}); fix: {exc.fix}")
         log.error("durable: could not check the database schema at start (%s)", exc.reason)
         return
     except Exception as exc:  # the database is away: the worker starts and waits for it
         log.error("durable: could not check the database schema at start (%s)", str(exc).splitlines()[0])
         return
     if pending:
+        fix = rt.db.migrate_fix or f"run `celery -A {_app_argument()} durable migrate`"
         message = (
             f"durable: the database schema is behind this code (pending revisions: {', '.join(pending)}); "
-            f"run `celery -A {_app_argument()} durable migrate`, then start this worker again"
+            f"{fix}, then start this worker again"
         )
-        log.critical(message)
-        print(message, file=sys.stderr, flush=True)
-        raise WorkerShutdown(1)
+        refuse_to_start(message)
 
 
 def refuse_forking_pool(rt: Runtime, worker: Any) -> None:
@@ -278,9 +292,7 @@ def refuse_forking_pool(rt: Runtime, worker: Any) -> None:
         f"durable: the {rt.db.masked_url} store is one process only (missing MULTI_PROCESS): "
         "start this worker with --pool threads (or solo), or give Durable a database URL"
     )
-    log.critical(message)
-    print(message, file=sys.stderr, flush=True)
-    raise WorkerShutdown(1)
+    refuse_to_start(message)
 
 
 def _cold_shutdown_asked() -> bool:

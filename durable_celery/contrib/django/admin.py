@@ -4,6 +4,10 @@ Everything is read-only: no add, change or delete page writes a row. The actions
 retry, rerun, release keys) call durable's API through ``durable_for(alias)`` and report each
 run's outcome as a message; they need the model's change permission. With the setting
 ``CELERY_DURABLE_DASHBOARD_URL``, a run's page links to it on durable's dashboard.
+
+Made to read on a 1366 px screen: runs and steps show how long they queued and ran ("1.2 s",
+"3 min 4 s"), errors show as text with their traceback, long ids and keys are cut short (the
+whole value in the tooltip), and titles say "View run", not "Select run to change".
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 
 from ...errors import DurableError
+from ...observe.activity import key_blocks
 from .durable import DjangoDurable, durable_for
 from .models import DurableActivity, DurableKey, DurableRun, DurableSchedule, DurableStep
 
@@ -31,20 +36,53 @@ MESSAGES_SHOWN = 20
 # What an action does to one run: a message level and text, or a DurableError raised.
 Act = Callable[[DjangoDurable, str], tuple[int, str]]
 
+# Lists show this many characters of an id (a run id's first block) and of a key.
+ID_SHOWN = 8
+KEY_SHOWN = 28
+
+# A <pre> block that wraps long lines rather than widen the page.
+PRE = '<pre style="white-space: pre-wrap; overflow-wrap: anywhere; margin: 0">{}</pre>'
+
+# Error fields shown in their own place (the heading, the traceback), not as details.
+ERROR_FIELDS = ("type", "message", "traceback")
+
+
+def human_duration(seconds: float | None) -> str:
+    """Seconds for people: ``350 ms``, ``1.2 s``, ``42 s``, ``3 min 4 s``, ``2 h 5 min``, ``3 d 4 h``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{max(seconds, 0.0) * 1000:.0f} ms"
+    if seconds < 9.95:
+        return f"{seconds:.1f} s"
+    whole = int(seconds)
+    for unit, size, smaller, part in (("d", 86400, "h", 3600), ("h", 3600, "min", 60), ("min", 60, "s", 1)):
+        if whole >= size:
+            count, rest = divmod(whole, size)
+            return f"{count} {unit} {rest // part} {smaller}" if rest // part else f"{count} {unit}"
+    return f"{whole} s"
+
 
 def _json(value: Any) -> Any:
     """A JSON value, indented, in a <pre> block ("-" for none)."""
     if value is None:
         return "-"
-    return format_html("<pre>{}</pre>", json.dumps(value, indent=2, ensure_ascii=False, default=str))
+    return format_html(PRE, json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def _short(text: str, shown: int) -> Any:
+    """``text`` cut to ``shown`` characters (with "…"), the whole of it in the tooltip."""
+    if len(text) <= shown:
+        return format_html('<span title="{}">{}</span>', text, text)
+    return format_html('<span title="{}">{}…</span>', text, text[: shown - 1])
 
 
 def _run_link(run_id: str | None, site: str = "admin") -> Any:
-    """A link to a run's admin page, by id only (the run may have been pruned since)."""
+    """A link to a run's admin page showing the id's start, by id only (it may have been pruned)."""
     if not run_id:
         return "-"
     url = reverse(f"{site}:durable_celery_durablerun_change", args=[quote(run_id)])
-    return format_html('<a href="{}">{}</a>', url, run_id)
+    return format_html('<a href="{}">{}</a>', url, _short(run_id, ID_SHOWN))
 
 
 def _error(value: Any) -> str:
@@ -54,6 +92,20 @@ def _error(value: Any) -> str:
     if isinstance(value, dict):
         return f"{value.get('type') or 'Error'}: {value.get('message') or ''}".rstrip(": ")
     return str(value)
+
+
+def _error_text(value: Any) -> Any:
+    """An error as text in a <pre> block: ``type: message`` on top, its other details, then its
+    traceback with its own line breaks ("-" for none)."""
+    if not value:
+        return "-"
+    if not isinstance(value, dict):
+        return format_html(PRE, str(value))
+    lines = [_error(value)]
+    lines += [f"{name}: {detail}" for name, detail in value.items() if name not in ERROR_FIELDS]
+    if value.get("traceback"):
+        lines += ["", str(value["traceback"]).rstrip()]
+    return format_html(PRE, "\n".join(lines))
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
@@ -79,6 +131,18 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         fields = [f.name for f in self.model._meta.fields]
         return [*fields, *(f for f in super().get_readonly_fields(request, obj) if f not in fields)]
 
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        """The list, titled "View runs" (Django's "Select run to change" misleads here)."""
+        title = f"View {self.model._meta.verbose_name_plural}"
+        return super().changelist_view(request, {"title": title, **(extra_context or {})})
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> Any:
+        """A row's page, titled "View run": nothing on it can be changed."""
+        title = f"View {self.model._meta.verbose_name}"
+        return super().change_view(request, object_id, form_url, {"title": title, **(extra_context or {})})
+
     def _act(self, request: HttpRequest, run_ids: Iterable[str], db: str, act: Act) -> None:
         """Call ``act`` on each run with the alias's Durable, reporting each outcome."""
         try:
@@ -100,14 +164,33 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             self.message_user(request, f"{hidden} more results not shown.", messages.INFO)
 
     def _release(self, request: HttpRequest, run_ids: Iterable[str], db: str) -> None:
-        """Free the keys the runs hold, recording the admin user as who released them."""
+        """Free the keys the runs hold, recording the admin user as who released them; each
+        message names the key and its workflow."""
         by = f"django admin: {request.user.get_username()}"
 
         def release(durable: DjangoDurable, run_id: str) -> tuple[int, str]:
-            durable.release_key(run_id, by=by)
-            return messages.SUCCESS, f"Run {run_id}: key released."
+            run = durable.get_run(run_id)
+            key = f"key {run.key!r} of workflow {run.workflow}"
+            try:
+                durable.release_key(run_id, by=by)
+            except DurableError as exc:
+                if run.key is None:
+                    raise
+                return messages.ERROR, f"Run {run_id}: {key} not released: {type(exc).__name__}: {exc}"
+            return messages.SUCCESS, f"Run {run_id}: released {key}."
 
         self._act(request, run_ids, db, release)
+
+
+def _display_seconds(description: str, attribute: str) -> Callable[[Any, Any], str]:
+    """A list and page column showing a row's ``attribute`` (seconds) as a human duration."""
+
+    @admin.display(description=description)
+    def show(model_admin: Any, row: Any) -> str:
+        return human_duration(getattr(row, attribute))
+
+    show.__doc__ = f"The {description} time, as a human duration."
+    return show
 
 
 def _ids(queryset: QuerySet[Any]) -> Iterable[str]:
@@ -151,7 +234,7 @@ class StepInline(admin.TabularInline):  # type: ignore[type-arg]
         "status",
         "worker",
         "started_at",
-        "finished_at",
+        "running",
         "short_error",
     )
     readonly_fields = fields
@@ -173,9 +256,11 @@ class StepInline(admin.TabularInline):  # type: ignore[type-arg]
         """Never: durable prunes."""
         return False
 
+    running = _display_seconds("running", "running_seconds")
+
     @admin.display(description="error")
     def short_error(self, step: DurableStep) -> str:
-        """The attempt's error as ``type: message``."""
+        """The attempt's error as ``type: message`` (its traceback on the attempt's page)."""
         return _error(step.error)
 
 

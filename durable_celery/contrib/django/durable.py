@@ -16,18 +16,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import Connection, Engine, create_engine
-from sqlalchemy.engine import URL
+from celery import signals as celery_signals
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.pool import NullPool
 
 from ...app import Durable
 from ...capabilities import Capability
 from ...core.runtime import Outbox
-from ...errors import InvalidArgument, NotConfigured
-from ...store.db import Database
+from ...errors import InvalidArgument, NotConfigured, SchemaOutdated
+from ...store.db import Database, masked_url, schema_missing, short_reason
+from .aliases import UNUSABLE_URL, AliasProblem, alias_url, migrate_fix, settings_dict
 
 DEFAULT_ALIAS = "default"
 
@@ -69,6 +72,11 @@ class DjangoDurable(Durable):
         )
         self.starter.ambient = self._open_atomic_block
         _made[alias] = self
+        _discover_workflows(app)
+        from . import checks
+
+        checks.register(_made)
+        celery_signals.worker_init.connect(checks.log_at_worker_start, weak=False, dispatch_uid=checks.ALIAS)
 
     def _open_atomic_block(self) -> DjangoTransaction | None:
         """Django's transaction on the alias, when a start runs inside ``atomic()``."""
@@ -79,6 +87,18 @@ class DjangoDurable(Durable):
         if not connections[self.alias].in_atomic_block:
             return None
         return django_connection(self.alias)
+
+
+def _discover_workflows(app: Celery) -> None:
+    """Import each installed app's ``workflows`` module when Celery imports its modules (a
+    worker at start, every ``celery -A proj durable`` command), as it does for ``tasks``."""
+
+    def installed() -> list[str]:
+        from django.apps import apps
+
+        return [config.name for config in apps.get_app_configs()]
+
+    app.autodiscover_tasks(installed, related_name="workflows")
 
 
 # The DjangoDurable made last for each alias: what the admin's actions call.
@@ -137,13 +157,34 @@ class DjangoDatabase(Database):
     def __init__(self, alias: str, *, pool_size: int = 5) -> None:
         self.alias = alias
         self._settings_name: Any = None
-        super().__init__(_alias_url(alias), pool_size=pool_size)
-        self._settings_name = _settings_dict(alias).get("NAME")
+        # An alias durable cannot use is a system check's error (checks.py) and NotConfigured at
+        # first use, never an error at import: every manage.py command must still run.
+        try:
+            url, self.problem = alias_url(alias), None
+        except AliasProblem as exc:
+            url, self.problem = UNUSABLE_URL, exc
+        super().__init__(url, pool_size=pool_size)
+        if self.problem is None:
+            self._settings_name = settings_dict(alias).get("NAME")
+        else:
+            self.bad_url = str(self.problem)
+
+    @property  # type: ignore[override]
+    def migrate_fix(self) -> str:
+        """How to create or upgrade durable's tables in this project (read when needed)."""
+        return migrate_fix()
+
+    @migrate_fix.setter
+    def migrate_fix(self, _value: str | None) -> None:
+        """Database.__init__'s default is not this project's: ignored."""
 
     @property
     def engine(self) -> Engine:
-        """The engine on the alias's database now (a new one once Django switched databases)."""
-        name = _settings_dict(self.alias).get("NAME")
+        """The engine on the alias's database now (a new one once Django switched databases);
+        NotConfigured when the alias cannot be used."""
+        if self.problem is not None:
+            raise NotConfigured(str(self.problem))
+        name = settings_dict(self.alias).get("NAME")
         if name != self._settings_name:
             with self._lock:
                 if name != self._settings_name:
@@ -154,68 +195,9 @@ class DjangoDatabase(Database):
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
-        self.url = _alias_url(self.alias)
+        self.url = alias_url(self.alias)
         self._settings_name = name
 
-
-def _settings_dict(alias: str) -> dict[str, Any]:
-    """The alias's settings as Django uses them now (its test database's name once switched)."""
-    from django.conf import settings
-
-    try:
-        from django.db import connections
-
-        return connections[alias].settings_dict  # type: ignore[no-any-return]
-    except Exception:  # settings not configured yet, or the alias is unknown
-        databases = getattr(settings, "DATABASES", {})
-        if alias not in databases:
-            raise NotConfigured(
-                f"durable: Django has no database alias {alias!r} (CELERY_DURABLE_DATABASE_ALIAS)"
-            ) from None
-        return databases[alias]  # type: ignore[no-any-return]
-
-
-def _alias_url(alias: str) -> str:
-    """A SQLAlchemy URL (psycopg 3) for the alias; NotConfigured unless it is PostgreSQL on psycopg 3."""
-    given = _settings_dict(alias)
-    engine = given.get("ENGINE", "")
-    if "postgresql" not in engine and "postgis" not in engine:
-        raise NotConfigured(
-            f"durable: Django database {alias!r} uses {engine or 'no ENGINE'}; durable needs "
-            "django.db.backends.postgresql on psycopg 3"
-        )
-    from django.db.backends.postgresql.psycopg_any import is_psycopg3
-
-    if not is_psycopg3:
-        raise NotConfigured(
-            f"durable: Django database {alias!r} runs on psycopg2; durable needs psycopg 3 "
-            "(pip install 'psycopg[binary]', then uninstall psycopg2)"
-        )
-    options = given.get("OPTIONS") or {}
-    query = {k: str(v) for k, v in options.items() if k in _URL_OPTIONS and v is not None}
-    url = URL.create(
-        "postgresql+psycopg",
-        username=given.get("USER") or None,
-        password=given.get("PASSWORD") or None,
-        host=given.get("HOST") or None,
-        port=int(given["PORT"]) if given.get("PORT") else None,
-        database=given.get("NAME") or None,
-        query=query,
-    )
-    return url.render_as_string(hide_password=False)
-
-
-# libpq connection options a Django alias may give in OPTIONS that durable's pool uses too.
-_URL_OPTIONS = (
-    "sslmode",
-    "sslrootcert",
-    "sslcert",
-    "sslkey",
-    "connect_timeout",
-    "application_name",
-    "options",
-    "target_session_attrs",
-)
 
 _lenders: dict[tuple[str, str], Engine] = {}
 _lenders_lock = threading.Lock()
@@ -223,7 +205,7 @@ _lenders_lock = threading.Lock()
 
 def _lending_engine(alias: str) -> Engine:
     """A SQLAlchemy engine whose connection is Django's own connection of the calling thread."""
-    url = _alias_url(alias)
+    url = alias_url(alias)
     key = (alias, url)
     engine = _lenders.get(key)
     if engine is None:
@@ -245,8 +227,16 @@ def _lending_engine(alias: str) -> Engine:
                     use_native_hstore=False,  # no type lookup on a connection SQLAlchemy does not own
                     hide_parameters=True,
                 )
+                event.listen(engine, "handle_error", partial(_schema_outdated, masked_url(url)))
                 _lenders[key] = engine
     return engine
+
+
+def _schema_outdated(url: str, context: ExceptionContext) -> None:
+    """A missing durable table or column on Django's connection: SchemaOutdated with this
+    project's fix, not the driver's ProgrammingError."""
+    if schema_missing(context.original_exception):
+        raise SchemaOutdated(url, short_reason(context.original_exception), migrate_fix())
 
 
 class Lent:

@@ -11,9 +11,11 @@ the alias Django's routers pick otherwise.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, NoReturn
 
 from django.db import models
+from django.utils import timezone
 
 from ...errors import InvalidArgument
 
@@ -101,6 +103,13 @@ class ReadOnlyModel(models.Model):
         _refuse("delete", type(self))
 
 
+def seconds_between(start: datetime | None, end: datetime | None) -> float | None:
+    """Seconds from ``start`` to ``end`` (to now when ``end`` is None); None without a start."""
+    if start is None:
+        return None
+    return max(((end or timezone.now()) - start).total_seconds(), 0.0)
+
+
 def _run(related_name: str, **options: Any) -> Any:
     """A reference to a run, without a database constraint (the tables keep their own rules)."""
     return models.ForeignKey(
@@ -165,6 +174,21 @@ class DurableRun(ReadOnlyModel):
         """True while the run holds its key (a row of ``durable_keys`` names it holder)."""
         return DurableKey.objects.using(self._state.db).filter(holder_id=self.pk).exists()
 
+    @property
+    def queued_seconds(self) -> float | None:
+        """Seconds from creation to the first step's start (to now, while it has not started)."""
+        return seconds_between(self.created_at, self.started_at)
+
+    @property
+    def running_seconds(self) -> float | None:
+        """Seconds from the start to the end (to now, while unfinished); None before the start."""
+        return seconds_between(self.started_at, self.finished_at)
+
+    @property
+    def total_seconds(self) -> float | None:
+        """Seconds from creation to the end (to now, while unfinished)."""
+        return seconds_between(self.created_at, self.finished_at)
+
 
 class DurableStep(ReadOnlyModel):
     """One recorded attempt of one step, or of its compensation (``durable_steps``)."""
@@ -191,6 +215,11 @@ class DurableStep(ReadOnlyModel):
 
     def __str__(self) -> str:
         return f"{self.name} #{self.attempt} of {self.run_id}"  # type: ignore[attr-defined]
+
+    @property
+    def running_seconds(self) -> float:
+        """Seconds the attempt ran, from its start to its end."""
+        return seconds_between(self.started_at, self.finished_at) or 0.0
 
 
 class DurableKey(ReadOnlyModel):
