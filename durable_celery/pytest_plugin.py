@@ -23,6 +23,7 @@ from celery import Celery
 
 from .app import Durable
 from .testing import Fake, worker
+from .worker.isolation import isolate_durable
 
 
 @pytest.fixture
@@ -38,10 +39,14 @@ def durable_fake() -> Iterator[Fake]:
 @pytest.fixture
 def durable_worker() -> Iterator[Callable[..., Any]]:
     """``durable_worker(durable, **options)``: a real Celery worker in this process, for the
-    rest of the test (options as ``testing.worker``: concurrency, pool, queues...)."""
+    rest of the test (options as ``testing.worker``: concurrency, pool, queues...). On a shared
+    Redis, the Durable's messages go under a key prefix of this test session's own from then on,
+    so no other worker on the broker takes them; on another broker it refuses (NotConfigured)
+    when a worker outside the session consumes one of the Durable's queues."""
     with ExitStack() as stack:
 
         def start(durable: Durable, **options: Any) -> Any:
+            isolate_durable(durable)
             return stack.enter_context(worker(durable, **options))
 
         yield start

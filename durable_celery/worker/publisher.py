@@ -187,6 +187,14 @@ class Publisher:
         # Producers of sends made now (a worker's next step, retries, the relay), one per thread.
         self._local = threading.local()
 
+    def reconnect(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then send on new connections, made with the app's options now."""
+        self.flush(timeout=timeout)
+        with self._send_lock:
+            self._drop_producer()
+        self._local = threading.local()  # each thread's producer is made anew on its next send
+        self._options = None
+
     # -- sending ------------------------------------------------------------------------------
 
     def send_now(self, message: Message) -> bool:

@@ -10,6 +10,11 @@ Durable keeps a pool of its own on the alias's database (the test database, once
 switched to it). Django drops the test database at the end of the run and fails with ``database
 "test_..." is being accessed by other users`` while any connection is open on it: this test case
 closes durable's after each test and each test class. See docs/django.md.
+
+On a shared Redis, the test case sends durable's messages under a key prefix of the test
+session's own, so a developer's ``celery -A proj worker`` on the same broker never takes them; on
+another broker it refuses to start, naming the queue, when a worker outside the session consumes
+one of durable's queues.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 
 from django.test import TransactionTestCase
 
+from ...worker.isolation import isolate_durable
 from .durable import DEFAULT_ALIAS, DjangoDurable, _made, durable_for
 
 __all__ = ["DurableTransactionTestCase", "release_durable_connections"]
@@ -60,6 +66,13 @@ class DurableTransactionTestCase(TransactionTestCase):
     def durable(self) -> DjangoDurable:
         """The DjangoDurable of ``durable_alias`` (``durable_for``)."""
         return durable_for(self.durable_alias)
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        """Django's set-up, then this session's own broker namespace for durable's messages
+        (``worker.isolation``): a developer's worker on the same broker never takes them."""
+        super().setUpClass()
+        isolate_durable(durable_for(cls.durable_alias))
 
     def _post_teardown(self) -> None:
         """Django's teardown of a test, then ``release_durable_connections()``."""
