@@ -1,8 +1,9 @@
 """Guards issue 39: a new user's first hour, literally. The wheel is built and installed without
 extras into a fresh venv outside the checkout; then README.md's Quickstart (its ``app.py``,
-``durable migrate``, a real ``celery -A app worker``, its start calls) runs on Redis and
-PostgreSQL until both runs complete, and docs/django.md's "A new project, step by step" runs on a
-new ``django-admin startproject`` after ``pip install`` of the wheel with ``[django]``.
+``durable migrate``, a real ``celery -A app worker``, its start calls) runs on PostgreSQL with
+Redis, and with RabbitMQ in place of Redis, until both runs complete; and docs/django.md's "A
+new project, step by step" runs on a new ``django-admin startproject`` after ``pip install`` of
+the wheel with ``[django]``.
 
 The code and commands are read from the two documents, not copied here: only the database
 name and the Redis address are swapped (each replaced text must be there as the test expects),
@@ -163,15 +164,19 @@ print("RESULT " + _json.dumps([[r.status, r.output] for r in _ended]))
 
 
 @pytest.mark.timeout(900)
-def test_the_readme_quickstart_runs_from_the_wheel_on_redis_and_postgresql(
-    venv: Path, tmp_path: Path, database: str, redis_server: str
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_the_readme_quickstart_runs_from_the_wheel_on_postgresql(
+    venv: Path, tmp_path: Path, database: str, broker: str, request: pytest.FixtureRequest
 ) -> None:
     readme = section((ROOT / "README.md").read_text(), "## Quickstart")
     python_blocks = [code for lang, code in blocks(readme) if lang == "python"]
     shell_blocks = [code for lang, code in blocks(readme) if lang == "sh"]
     app_py, starts = python_blocks[0], next(code for code in python_blocks if "from app import" in code)
     url = f"{PG_HOST}/{database}"
-    app_py = swap(swap(app_py, README_DB, url), README_BROKER, REDIS_URL)
+    broker_url = REDIS_URL if broker == "redis" else request.getfixturevalue("rabbitmq")
+    if broker == "redis":
+        request.getfixturevalue("redis_client")  # the session's private redis-server is up
+    app_py = swap(swap(app_py, README_DB, url), README_BROKER, broker_url)
     home = tmp_path / "user"
     home.mkdir()
     (home / "app.py").write_text(app_py)
