@@ -146,3 +146,23 @@ def test_the_database_follows_the_alias_to_another_database(durable, pg_template
             conn.execute(f"DROP DATABASE IF EXISTS {other} WITH (FORCE)")
     with pytest.raises(RunNotFound):  # it was written to the other database, not this one
         durable.get_run(run_id)
+
+
+def test_a_starting_worker_logs_the_check_errors_one_line_each(durable, caplog):
+    """Guards issue 39: Celery runs Django's checks in a worker but drops what they say."""
+    import logging
+
+    from celery import signals
+    from django.test import override_settings
+
+    from durable_celery.contrib.django import checks
+
+    connected = [entry for entry in signals.worker_init.receivers if entry[0][0] == checks.ALIAS]
+    assert len(connected) == 1  # by DjangoDurable, once however many are made
+    apps = [app for app in settings_module().INSTALLED_APPS if app != "durable_celery.contrib.django"]
+    with override_settings(INSTALLED_APPS=apps), caplog.at_level(logging.ERROR, "durable_celery"):
+        checks.log_at_worker_start(sender=None)
+    said = [r.getMessage() for r in caplog.records if r.name == "durable_celery"]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert said[0].startswith("durable: DjangoDurable is set up but 'durable_celery.contrib.django'")
+    assert "; fix: add 'durable_celery.contrib.django' to INSTALLED_APPS" in said[0]
