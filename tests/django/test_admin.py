@@ -2,11 +2,14 @@
 a run's steps and key activity on its page, the actions calling durable's API (cancel, retry,
 rerun, release keys) with their errors shown, nothing written through the models, and the
 actions refused to a user without the change permission. Steps run in this thread through
-``durable.run_message``, as a worker would run them."""
+``durable.run_message``, as a worker would run them. The admin reads well: durations, tracebacks
+as text, "View run" titles, short ids and keys, release messages naming the key, and whether each
+key blocks a new start."""
 
 from __future__ import annotations
 
 import html
+import re
 import uuid
 from typing import Any
 
@@ -47,11 +50,17 @@ def flows(django_project: Any) -> Any:
     def just(tag):
         return tag
 
+    kept = {}
+    for reuse in ("after_failure", "never"):  # keyed like boom: fail while their tag is broken
+        kept[reuse] = durable.workflow(f"admin_{reuse}_{suffix}", key="kept:{tag}", reuse=reuse)
+        kept[reuse].step(explode)
+
     class Flows:
         pass
 
     flows = Flows()
     flows.ok, flows.boom, flows.plain = ok, boom, plain  # type: ignore[attr-defined]
+    flows.after_failure, flows.never = kept["after_failure"], kept["never"]  # type: ignore[attr-defined]
     return flows
 
 
@@ -76,6 +85,17 @@ def _failed(durable: Any, flows: Any) -> tuple[str, str]:
     durable.run_message(flows.boom.name, 0, run_id)
     assert durable.get_run(run_id).status == "failed"
     return run_id, tag
+
+
+def _finished(durable: Any, workflow: Any, *, fail: bool = False) -> str:
+    """A run of a workflow whose step is ``explode``: completed, or failed when ``fail``."""
+    tag = _tag()
+    if fail:
+        _broken.add(tag)
+    run_id = _pending(workflow, tag)
+    durable.run_message(workflow.name, 0, run_id)
+    assert durable.get_run(run_id).status == ("failed" if fail else "completed")
+    return run_id
 
 
 def _user(*, superuser: bool = False, perms: tuple[str, ...] = ()) -> Any:
@@ -124,6 +144,23 @@ def _act(client: Any, url: str, action: str, *ids: str) -> Any:
     return client.post(url, {"action": action, "_selected_action": list(ids), "index": "0"}, follow=True)
 
 
+def _row(page: str, row_id: str) -> str:
+    """The list's row that links to the page of row ``row_id``."""
+    (row,) = [r for r in page.split("<tr")[1:] if f"/{row_id}/change/" in r]
+    return row.split("</tr>")[0]
+
+
+def _cell(row: str, column: str) -> str:
+    """A column's text in a list row (tags dropped)."""
+    found = re.search(rf'<t[dh] class="field-{column}[^"]*">(.*?)</t[dh]>', row, re.S)
+    assert found, f"no column {column} in {row}"
+    return re.sub(r"<[^>]+>", "", found.group(1)).strip()
+
+
+NOWRAP = 'style="white-space: nowrap"'
+DURATION = re.compile(r"^(\d+ ms|\d\.\d s|\d+ s|\d+ min( \d+ s)?)$")
+
+
 # -- lists ------------------------------------------------------------------------------------
 
 
@@ -135,7 +172,7 @@ def test_the_run_list_filters_by_workflow_and_status_and_searches_key_and_id(dur
 
     page = _page(admin.get(RUNS))
     assert all(run_id in page for run_id in (done, waiting, failed))
-    for column in ("Workflow", "Status", "Key", "Created", "Finished"):
+    for column in ("Workflow", "Key", "Status", "Step", "Queued", "Running", "Total", "Created"):
         assert column in page
     for action in ("cancel_runs", "retry_runs", "rerun_runs", "release_keys"):
         assert f'<option value="{action}">' in page
@@ -218,6 +255,153 @@ def test_there_is_no_add_change_or_delete(durable, flows, admin):
     assert durable.get_run(run_id).status == "pending"
 
 
+# -- reading well -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (None, "-"),
+        (0, "0 ms"),
+        (0.35, "350 ms"),
+        (1.23, "1.2 s"),
+        (9.96, "10 s"),
+        (42.4, "42 s"),
+        (59.6, "1 min"),
+        (184, "3 min 4 s"),
+        (7500, "2 h 5 min"),
+        (3 * 86400 + 4 * 3600 + 59, "3 d 4 h"),
+    ],
+)
+def test_durations_read_as_people_say_them(django_project, seconds, shown):
+    from durable_celery.contrib.django.admin import human_duration
+
+    assert human_duration(seconds) == shown
+
+
+def test_runs_and_steps_show_how_long_they_queued_and_ran(durable, flows, admin):
+    from django.utils.timezone import localtime
+
+    from durable_celery.contrib.django.models import DurableRun, DurableStep
+
+    done, waiting = _completed(durable, flows), _pending(flows.ok)
+    row = DurableRun.objects.get(pk=done)
+    assert row.queued_seconds == (row.started_at - row.created_at).total_seconds()
+    assert row.running_seconds == (row.finished_at - row.started_at).total_seconds()
+    assert row.total_seconds == (row.finished_at - row.created_at).total_seconds()
+    pending = DurableRun.objects.get(pk=waiting)
+    assert pending.running_seconds is None  # not started: queued and total count to now
+    assert 0 < pending.queued_seconds == pytest.approx(pending.total_seconds, abs=1)
+    step = DurableStep.objects.get(run_id=done)
+    assert step.running_seconds == (step.finished_at - step.started_at).total_seconds()
+
+    page = _page(admin.get(RUNS, {"workflow": flows.ok.name}))
+    for column in ("queued", "running", "total"):
+        assert DURATION.match(_cell(_row(page, done), column)), _cell(_row(page, done), column)
+    assert _cell(_row(page, waiting), "running") == "-"
+    assert DURATION.match(_cell(_row(page, waiting), "total"))
+    assert _cell(_row(page, done), "step") == "finish"  # its attempt shown from the second on
+    assert _cell(_row(page, done), "short_id") == f"…{done[-6:]}"  # time-ordered ids differ at the end
+    assert f'title="{done}"' in _row(page, done)  # the whole id in the tooltip
+    created = localtime(row.created_at).strftime("%Y-%m-%d %H:%M:%S")
+    assert _cell(_row(page, done), "created") == created  # in the project's TIME_ZONE
+
+    run_page = _page(admin.get(f"{RUNS}{done}/change/"))
+    for label in ("Queued:", "Running:", "Total:"):
+        assert label in run_page
+    for moment in (row.created_at, row.started_at, row.finished_at):  # to the second
+        date, time = localtime(moment).strftime("%Y-%m-%d %H:%M:%S").split()
+        assert f"{date}</span> <span {NOWRAP}>{time}</span>" in run_page
+    steps = _page(admin.get("/admin/durable_celery/durablestep/", {"q": done}))
+    assert DURATION.match(_cell(_row(steps, str(step.pk)), "running"))
+
+
+def test_a_long_key_is_cut_short_in_the_lists_and_wraps_after_its_colons(durable, flows, admin):
+    tag = "eu-west:" + "x" * 60
+    run_id = _completed(durable, flows, tag)
+    for url in (RUNS, KEYS):
+        row = _row(_page(admin.get(url, {"workflow": flows.ok.name})), run_id)
+        assert f'title="ok:{tag}"' in row  # the whole key in the tooltip
+        assert _cell(row, "key_link" if url == RUNS else "short_key") == f"ok:{tag[:28]}…"
+        assert f"ok:</span><wbr><span {NOWRAP}>eu-west:</span><wbr><span {NOWRAP}>xxx" in row
+
+
+def test_a_retried_runs_step_shows_its_attempt(durable, flows, admin):
+    run_id, tag = _failed(durable, flows)
+    durable.retry(run_id)
+    durable.run_message(flows.boom.name, 0, run_id)  # fails again, attempt 2
+    row = _row(_page(admin.get(RUNS, {"workflow": flows.boom.name})), run_id)
+    assert _cell(row, "step") == "explode, attempt 2"
+
+
+def test_a_failed_runs_error_reads_as_text_with_its_traceback(durable, flows, admin):
+    run_id, tag = _failed(durable, flows)
+    top = f"RuntimeError: boom {tag}\n\nTraceback (most recent call last):\n"
+    run_page = _page(admin.get(f"{RUNS}{run_id}/change/"))
+    assert re.search(r"<pre[^>]*>" + re.escape(top), run_page), "the run's error, traceback below"
+    assert 'raise RuntimeError(f"boom {tag}")' in run_page  # the traceback's source lines
+    assert '"traceback":' not in run_page and "\\n" not in run_page  # no escaped JSON
+    assert re.search(rf'<td class="field-short_error">\s*<p>RuntimeError: boom {tag}</p>', run_page)
+
+    from durable_celery.contrib.django.models import DurableStep
+
+    step_id = DurableStep.objects.get(run_id=run_id).pk
+    step_page = _page(admin.get(f"/admin/durable_celery/durablestep/{step_id}/change/"))
+    assert re.search(r"<pre[^>]*>" + re.escape(top), step_page), "the step's error, traceback below"
+    assert "<h1>View step</h1>" in step_page
+
+
+def test_an_error_without_traceback_shows_its_details(durable, flows, admin):
+    tag = _tag()
+    first = _pending(flows.ok, tag)
+    second = str(flows.ok.start({"tag": tag}, on_duplicate="cancel_existing"))
+    page = _page(admin.get(f"{RUNS}{first}/change/"))
+    assert re.search(rf"<pre[^>]*>Cancelled: replaced by run {second}\nreplaced_by: {second}</pre>", page)
+
+
+@pytest.mark.parametrize(
+    ("url", "title"),
+    [
+        (RUNS, "View runs"),
+        (KEYS, "View keys"),
+        ("/admin/durable_celery/durablestep/", "View steps"),
+        ("/admin/durable_celery/durableactivity/", "View activity"),
+        ("/admin/durable_celery/durableschedule/", "View schedules"),
+    ],
+)
+def test_the_lists_are_titled_view_not_select_to_change(durable, admin, url, title):
+    page = _page(admin.get(url))
+    assert f"<h1>{title}</h1>" in page and f"<title>{title} |" in page
+    assert "to change" not in page
+
+
+def test_a_runs_page_is_titled_view_run(durable, flows, admin, viewer):
+    run_id = _completed(durable, flows)
+    for client in (admin, viewer):
+        page = _page(client.get(f"{RUNS}{run_id}/change/"))
+        assert "<h1>View run</h1>" in page and "Change run" not in page
+    key_page = _page(admin.get(f"{KEYS}{run_id}/change/"))
+    assert "<h1>View key</h1>" in key_page
+
+
+def test_the_key_list_says_whether_each_key_blocks_a_new_start(durable, flows, admin, monkeypatch):
+    cases = [  # the workflow's reuse and the holder's status decide
+        (flows.ok, _completed(durable, flows), "no"),  # after_close: a finished holder frees it
+        (flows.ok, _pending(flows.ok), "yes"),  # an unfinished holder always blocks
+        (flows.after_failure, _finished(durable, flows.after_failure), "yes"),
+        (flows.after_failure, _finished(durable, flows.after_failure, fail=True), "no"),
+        (flows.never, _finished(durable, flows.never, fail=True), "yes"),
+    ]
+    for workflow, run_id, blocks in cases:
+        row = _row(_page(admin.get(KEYS, {"workflow": workflow.name})), run_id)
+        assert _cell(row, "blocks") == blocks, (workflow.name, run_id)
+    assert "Blocks a new start" in _page(admin.get(KEYS))
+
+    monkeypatch.delitem(durable.workflows, flows.ok.name)  # a workflow this process does not define
+    row = _row(_page(admin.get(KEYS, {"workflow": flows.ok.name})), cases[0][1])
+    assert _cell(row, "blocks") == "unknown"
+
+
 # -- actions ----------------------------------------------------------------------------------
 
 
@@ -271,18 +455,23 @@ def test_release_keys_frees_a_finished_runs_key_and_shows_why_not_otherwise(dura
     released = _completed(durable, flows)
     durable.release_key(released, by="test")
     page = _page(_act(admin, RUNS, "release_keys", done, pending, released))
-    assert f"Run {done}: key released." in page
-    assert f"Run {pending}: NotFinished:" in page
-    assert f"Run {released}: NoKey:" in page
+    key_of = {
+        run_id: f"key '{durable.get_run(run_id).key}' of workflow {flows.ok.name}"
+        for run_id in (done, pending, released)
+    }
+    assert f"Run {done}: released {key_of[done]}." in page
+    assert f"Run {pending}: {key_of[pending]} not released: NotFinished: run {pending} is pending" in page
+    assert f"Run {released}: {key_of[released]} not released: NoKey:" in page
     assert not durable.get_run(done).holds_key and durable.get_run(pending).holds_key
     (entry,) = durable.activity(kinds="key_released", run_id=done)
     assert entry.details["by"] == f"django admin: {admin.username}"  # who released it is recorded
 
 
 def test_release_keys_from_the_key_list(durable, flows, admin):
-    done = _completed(durable, flows)
+    tag = _tag()
+    done = _completed(durable, flows, tag)
     page = _page(_act(admin, KEYS, "release_keys", done))
-    assert f"Run {done}: key released." in page
+    assert f"Run {done}: released key 'ok:{tag}' of workflow {flows.ok.name}." in page
     assert not durable.get_run(done).holds_key
 
 

@@ -4,30 +4,32 @@ Everything is read-only: no add, change or delete page writes a row. The actions
 retry, rerun, release keys) call durable's API through ``durable_for(alias)`` and report each
 run's outcome as a message; they need the model's change permission. With the setting
 ``CELERY_DURABLE_DASHBOARD_URL``, a run's page links to it on durable's dashboard.
-
-Made to read on a 1366 px screen: runs and steps show how long they queued and ran ("1.2 s",
-"3 min 4 s"), errors show as text with their traceback, long ids and keys are cut short (the
-whole value in the tooltip), and titles say "View run", not "Select run to change".
+Lists fit a 1366 px screen (long ids and keys cut short, whole in the tooltip); durations read
+"1.2 s", "3 min 4 s"; errors show as text with their traceback; titles say "View run".
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
 from django.contrib import admin, messages
-from django.contrib.admin.utils import quote
+from django.contrib.admin.utils import flatten_fieldsets, quote
 from django.db.models import Exists, OuterRef, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
-from django.utils.html import format_html
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
+from django.utils.safestring import mark_safe
 
 from ...errors import DurableError
 from ...observe.activity import key_blocks
-from .durable import DjangoDurable, durable_for
+from .durable import DEFAULT_ALIAS, DjangoDurable, durable_for
 from .models import DurableActivity, DurableKey, DurableRun, DurableSchedule, DurableStep
 
 # At most this many messages per action; the rest are counted in one more.
@@ -36,15 +38,13 @@ MESSAGES_SHOWN = 20
 # What an action does to one run: a message level and text, or a DurableError raised.
 Act = Callable[[DjangoDurable, str], tuple[int, str]]
 
-# Lists show this many characters of an id (a run id's first block) and of a key.
-ID_SHOWN = 8
-KEY_SHOWN = 28
+# Lists show this many characters of an id and of a key, "…" included.
+ID_SHOWN = 7
+KEY_SHOWN = 32
 
-# A <pre> block that wraps long lines rather than widen the page.
+# A <pre> block that wraps long lines rather than widen the page; text kept on one line.
 PRE = '<pre style="white-space: pre-wrap; overflow-wrap: anywhere; margin: 0">{}</pre>'
-
-# Error fields shown in their own place (the heading, the traceback), not as details.
-ERROR_FIELDS = ("type", "message", "traceback")
+NOWRAP = '<span style="white-space: nowrap">{}</span>'
 
 
 def human_duration(seconds: float | None) -> str:
@@ -55,12 +55,25 @@ def human_duration(seconds: float | None) -> str:
         return f"{max(seconds, 0.0) * 1000:.0f} ms"
     if seconds < 9.95:
         return f"{seconds:.1f} s"
-    whole = int(seconds)
+    whole = round(seconds)
     for unit, size, smaller, part in (("d", 86400, "h", 3600), ("h", 3600, "min", 60), ("min", 60, "s", 1)):
         if whole >= size:
             count, rest = divmod(whole, size)
             return f"{count} {unit} {rest // part} {smaller}" if rest // part else f"{count} {unit}"
     return f"{whole} s"
+
+
+def _when(at: datetime | None) -> Any:
+    """A moment in the current time zone, to the second, its date and time each kept whole."""
+    if at is None:
+        return "-"
+    date, time = timezone.localtime(at).strftime("%Y-%m-%d %H:%M:%S").split()
+    return format_html(NOWRAP + " " + NOWRAP, date, time)
+
+
+def _duration(seconds: float | None) -> Any:
+    """A human duration on one line."""
+    return format_html(NOWRAP, human_duration(seconds))
 
 
 def _json(value: Any) -> Any:
@@ -70,19 +83,36 @@ def _json(value: Any) -> Any:
     return format_html(PRE, json.dumps(value, indent=2, ensure_ascii=False, default=str))
 
 
-def _short(text: str, shown: int) -> Any:
-    """``text`` cut to ``shown`` characters (with "…"), the whole of it in the tooltip."""
-    if len(text) <= shown:
-        return format_html('<span title="{}">{}</span>', text, text)
-    return format_html('<span title="{}">{}…</span>', text, text[: shown - 1])
+def _short_id(run_id: str) -> Any:
+    """An id's end (a time-ordered id differs there), the whole id in the tooltip."""
+    shown = run_id if len(run_id) <= ID_SHOWN else "…" + run_id[1 - ID_SHOWN :]
+    return format_html('<span title="{}" style="white-space: nowrap">{}</span>', run_id, shown)
 
 
-def _run_link(run_id: str | None, site: str = "admin") -> Any:
-    """A link to a run's admin page showing the id's start, by id only (it may have been pruned)."""
+def _wrapping(text: str, after: str, shown: int = KEY_SHOWN) -> Any:
+    """``text`` cut short (the whole of it in the tooltip) that wraps only after an ``after``."""
+    cut = len(text) > shown
+    shown_text = text[: shown - 1] if cut else text
+    parts = [part for part in re.split(f"(?<={re.escape(after)})", shown_text) if part]
+    if cut:  # the "…" stays on the line of the part it ends
+        parts[-1] += "…"
+    joined = format_html_join(mark_safe("<wbr>"), NOWRAP, ((part,) for part in parts))
+    return format_html('<span title="{}">{}</span>', text, joined)
+
+
+def _name(name: str) -> Any:
+    """A name (workflow, step, status) on one line; a long one wraps after an underscore."""
+    if len(name) <= 16:
+        return format_html(NOWRAP, name)
+    return _wrapping(name, "_", 48)
+
+
+def _run_link(run_id: str | None, site: str = "admin", *, short: bool = True) -> Any:
+    """A link to a run's admin page, by id only (the run may have been pruned since)."""
     if not run_id:
         return "-"
     url = reverse(f"{site}:durable_celery_durablerun_change", args=[quote(run_id)])
-    return format_html('<a href="{}">{}</a>', url, _short(run_id, ID_SHOWN))
+    return format_html('<a href="{}">{}</a>', url, _short_id(run_id) if short else run_id)
 
 
 def _error(value: Any) -> str:
@@ -101,8 +131,8 @@ def _error_text(value: Any) -> Any:
         return "-"
     if not isinstance(value, dict):
         return format_html(PRE, str(value))
-    lines = [_error(value)]
-    lines += [f"{name}: {detail}" for name, detail in value.items() if name not in ERROR_FIELDS]
+    shown = ("type", "message", "traceback")  # in their own places
+    lines = [_error(value), *(f"{name}: {detail}" for name, detail in value.items() if name not in shown)]
     if value.get("traceback"):
         lines += ["", str(value["traceback"]).rstrip()]
     return format_html(PRE, "\n".join(lines))
@@ -127,9 +157,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return bool(super().has_change_permission(request))
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
-        """Every field, and every shown method."""
-        fields = [f.name for f in self.model._meta.fields]
-        return [*fields, *(f for f in super().get_readonly_fields(request, obj) if f not in fields)]
+        """Every field, and every shown method (those the page's fields name too)."""
+        shown = flatten_fieldsets(self.fieldsets) if self.fieldsets else list(self.fields or ())
+        fields = [f.name for f in self.model._meta.fields if f.name not in (self.exclude or ())]
+        return list(dict.fromkeys([*fields, *super().get_readonly_fields(request, obj), *shown]))
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
         """The list, titled "View runs" (Django's "Select run to change" misleads here)."""
@@ -182,15 +213,17 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self._act(request, run_ids, db, release)
 
 
-def _display_seconds(description: str, attribute: str) -> Callable[[Any, Any], str]:
-    """A list and page column showing a row's ``attribute`` (seconds) as a human duration."""
+def _column(
+    description: str, attribute: str, show: Callable[[Any], Any], ordering: str | None = None
+) -> Callable[[Any, Any], Any]:
+    """A list column or page field showing a row's ``attribute`` for people, through ``show``."""
 
-    @admin.display(description=description)
-    def show(model_admin: Any, row: Any) -> str:
-        return human_duration(getattr(row, attribute))
+    @admin.display(description=description, ordering=ordering)
+    def column(model_admin: Any, row: Any) -> Any:
+        return show(getattr(row, attribute))
 
-    show.__doc__ = f"The {description} time, as a human duration."
-    return show
+    column.__doc__ = f"The row's {attribute}, shown by {show.__name__}."
+    return column
 
 
 def _ids(queryset: QuerySet[Any]) -> Iterable[str]:
@@ -222,8 +255,28 @@ class KeyFilter(admin.SimpleListFilter):
         return queryset
 
 
-class StepInline(admin.TabularInline):  # type: ignore[type-arg]
-    """A run's recorded step attempts, read-only."""
+class ReadOnlyInline(admin.TabularInline):  # type: ignore[type-arg]
+    """Rows of a run shown on its page: history, never added, changed or deleted there."""
+
+    extra = 0
+    max_num = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: durable records them."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: they are history."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: durable prunes them."""
+        return False
+
+
+class StepInline(ReadOnlyInline):
+    """A run's recorded step attempts, each with how long it ran."""
 
     model = DurableStep
     fields = (
@@ -233,30 +286,15 @@ class StepInline(admin.TabularInline):  # type: ignore[type-arg]
         "attempt",
         "status",
         "worker",
-        "started_at",
+        "started",
         "running",
         "short_error",
     )
     readonly_fields = fields
     ordering = ("step_index", "phase", "attempt", "id")
-    extra = 0
-    max_num = 0
-    can_delete = False
     show_change_link = True
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Never: workers record attempts."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Never: an attempt is history."""
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Never: durable prunes."""
-        return False
-
-    running = _display_seconds("running", "running_seconds")
+    started = _column("started", "started_at", _when)
+    running = _column("running", "running_seconds", _duration)
 
     @admin.display(description="error")
     def short_error(self, step: DurableStep) -> str:
@@ -264,41 +302,34 @@ class StepInline(admin.TabularInline):  # type: ignore[type-arg]
         return _error(step.error)
 
 
-class ActivityInline(admin.TabularInline):  # type: ignore[type-arg]
+class ActivityInline(ReadOnlyInline):
     """What happened to a run's key and more (``durable.activity(run_id=...)``), newest first."""
 
     model = DurableActivity
-    fields = ("at", "kind", "key", "details_json")
+    fields = ("when", "kind", "key", "details_json")
     readonly_fields = fields
     ordering = ("-id",)
-    extra = 0
-    max_num = 0
-    can_delete = False
     verbose_name_plural = "key activity"
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Never: durable records activity."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Never: activity is history."""
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Never: durable trims activity after a week."""
-        return False
-
-    @admin.display(description="details")
-    def details_json(self, entry: DurableActivity) -> Any:
-        """The entry's details."""
-        return _json(entry.details)
+    when = _column("at", "at", _when)
+    details_json = _column("details", "details", _json)
 
 
 @admin.register(DurableRun)
 class DurableRunAdmin(ReadOnlyAdmin):
-    """Runs: filter by workflow, status and key, search by key or id, act on the selected."""
+    """Runs: filter by workflow, status and key, search by key or id, act on the selected; each
+    with how long it queued, ran and took in all."""
 
-    list_display = ("id", "workflow", "status", "key_link", "created_at", "finished_at")
+    list_display = (
+        "short_id",
+        "workflow_name",
+        "key_link",
+        "status_name",
+        "step",
+        "queued",
+        "running",
+        "total",
+        "created",
+    )
     list_filter = ("workflow", "status", KeyFilter)
     search_fields = ("=id", "key")
     ordering = ("-created_at",)
@@ -306,10 +337,10 @@ class DurableRunAdmin(ReadOnlyAdmin):
     inlines = (StepInline, ActivityInline)
     actions = ("cancel_runs", "retry_runs", "rerun_runs", "release_keys")
     fieldsets = (
-        (None, {"fields": ("id", "workflow", "status", "key", "holds_key", "error_json")}),
+        (None, {"fields": ("id", "workflow", "status", "key", "holds_key", "error_text")}),
         ("Data", {"fields": ("input_json", "context_json", "output_json")}),
         ("Progress", {"fields": ("step_index", "step_name", "attempt", "queue", "wait_name", "wait_until")}),
-        ("Times", {"fields": ("created_at", "started_at", "finished_at", "deadline_at")}),
+        ("Times", {"fields": ("created", "started", "finished", "queued", "running", "total", "deadline")}),
         ("Relations", {"fields": ("parent", "parent_ref", "runs_after")}),
         (
             "Internals",
@@ -331,7 +362,20 @@ class DurableRunAdmin(ReadOnlyAdmin):
             },
         ),
     )
-    readonly_fields = ("holds_key", "error_json", "input_json", "context_json", "output_json", "dashboard")
+    readonly_fields = ("dashboard",)  # added by get_fieldsets when configured
+    workflow_name = _column("workflow", "workflow", _name, "workflow")
+    status_name = _column("status", "status", _name, "status")
+    queued = _column("queued", "queued_seconds", _duration)
+    running = _column("running", "running_seconds", _duration)
+    total = _column("total", "total_seconds", _duration)
+    created = _column("created", "created_at", _when)
+    started = _column("started", "started_at", _when)
+    finished = _column("finished", "finished_at", _when)
+    deadline = _column("deadline", "deadline_at", _when)
+    error_text = _column("error", "error", _error_text)
+    input_json = _column("input", "input", _json)
+    context_json = _column("context", "context", _json)
+    output_json = _column("output", "output", _json)
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         """The run's fields; its dashboard link first when ``CELERY_DURABLE_DASHBOARD_URL`` is set."""
@@ -340,37 +384,29 @@ class DurableRunAdmin(ReadOnlyAdmin):
         (name, first), *rest = self.fieldsets
         return ((name, {"fields": (*first["fields"], "dashboard")}), *rest)
 
+    # Sorted by creation (run ids grow with time), so "created" needs no sort arrows of its own.
+    @admin.display(description="id", ordering="created_at")
+    def short_id(self, run: DurableRun) -> Any:
+        """The run id's end (the whole id in the tooltip); it links to the run's page."""
+        return _short_id(run.id)
+
     @admin.display(description="key", ordering="key")
     def key_link(self, run: DurableRun) -> Any:
-        """The run's key, linking to the runs with that key."""
+        """The run's key, cut short, linking to the runs with that key."""
         if run.key is None:
             return "-"
-        return format_html('<a href="?{}">{}</a>', urlencode({"key": run.key}), run.key)
+        return format_html('<a href="?{}">{}</a>', urlencode({"key": run.key}), _wrapping(run.key, ":"))
+
+    @admin.display(description="step", ordering="step_index")
+    def step(self, run: DurableRun) -> Any:
+        """The step the run is at (or ended at), and its attempt from the second on."""
+        step = _name(run.step_name or f"#{run.step_index}")
+        return format_html("{}, attempt {}", step, run.attempt) if run.attempt > 1 else step
 
     @admin.display(description="holds its key", boolean=True)
     def holds_key(self, run: DurableRun) -> bool:
         """Whether the run holds its key now."""
         return run.holds_key
-
-    @admin.display(description="error")
-    def error_json(self, run: DurableRun) -> Any:
-        """The run's error."""
-        return _json(run.error)
-
-    @admin.display(description="input")
-    def input_json(self, run: DurableRun) -> Any:
-        """The run's input."""
-        return _json(run.input)
-
-    @admin.display(description="context")
-    def context_json(self, run: DurableRun) -> Any:
-        """The run's context."""
-        return _json(run.context)
-
-    @admin.display(description="output")
-    def output_json(self, run: DurableRun) -> Any:
-        """The run's output."""
-        return _json(run.output)
 
     @admin.display(description="dashboard")
     def dashboard(self, run: DurableRun) -> Any:
@@ -406,7 +442,9 @@ class DurableRunAdmin(ReadOnlyAdmin):
 
         def rerun(durable: DjangoDurable, run_id: str) -> tuple[int, str]:
             new_id = durable.rerun(run_id)
-            return messages.SUCCESS, format_html("Run {}: rerun as {}.", run_id, _run_link(new_id, site))
+            return messages.SUCCESS, format_html(
+                "Run {}: rerun as {}.", run_id, _run_link(new_id, site, short=False)
+            )
 
         self._act(request, _ids(queryset), queryset.db, rerun)
 
@@ -421,16 +459,50 @@ def _dashboard_url() -> str:
     return str(getattr(settings, "CELERY_DURABLE_DASHBOARD_URL", "") or "")
 
 
+def blocks_new_start(key: DurableKey) -> str:
+    """Whether a new start of the key's workflow is answered by its holder: "yes", "no" (it takes
+    the key), or "unknown" when this process does not define the workflow (nor its ``reuse``)."""
+    try:
+        workflows = durable_for(key._state.db or DEFAULT_ALIAS).workflows
+    except DurableError:
+        return "unknown"
+    if key.workflow not in workflows:
+        return "unknown"
+    return "yes" if key_blocks(workflows, key.workflow, key.holder.status) else "no"
+
+
 @admin.register(DurableKey)
 class DurableKeyAdmin(ReadOnlyAdmin):
-    """Held keys with their holder (and the run waiting behind it); release them."""
+    """Held keys with their holder (and the run waiting behind it), whether each blocks a new
+    start; release them."""
 
-    list_display = ("key", "workflow", "holder_link", "holder_status", "waiting_link", "taken_at")
+    list_display = (
+        "short_key",
+        "workflow_name",
+        "holder_link",
+        "holder_status",
+        "blocks",
+        "waiting_link",
+        "taken",
+    )
     list_filter = ("workflow",)
     search_fields = ("key", "=holder__id")
     list_select_related = ("holder",)
     ordering = ("-taken_at",)
     actions = ("release_keys",)
+
+    @admin.display(description="key", ordering="key")
+    def short_key(self, key: DurableKey) -> Any:
+        """The key, cut short (the whole key in the tooltip); it links to the key's page."""
+        return _wrapping(key.key, ":")
+
+    @admin.display(description="blocks a new start")
+    def blocks(self, key: DurableKey) -> str:
+        """Whether a new start with this key is answered by the holder (the workflow's ``reuse``)."""
+        return blocks_new_start(key)
+
+    workflow_name = _column("workflow", "workflow", _name, "workflow")
+    taken = _column("taken", "taken_at", _when, "taken_at")
 
     @admin.display(description="holder")
     def holder_link(self, key: DurableKey) -> Any:
@@ -455,13 +527,40 @@ class DurableKeyAdmin(ReadOnlyAdmin):
 
 @admin.register(DurableStep)
 class DurableStepAdmin(ReadOnlyAdmin):
-    """Every recorded step attempt."""
+    """Every recorded step attempt, with how long it ran and its error's traceback."""
 
-    list_display = ("id", "run_link", "step_index", "name", "phase", "attempt", "status", "finished_at")
+    list_display = (
+        "id",
+        "run_link",
+        "step_index",
+        "name",
+        "phase",
+        "attempt",
+        "status",
+        "running",
+        "finished",
+    )
     list_filter = ("status", "phase")
     search_fields = ("=run__id", "name")
     ordering = ("-id",)
     show_full_result_count = False
+    exclude = ("id", "run", "input", "output", "error", "logs", "started_at", "finished_at")  # shown below
+    readonly_fields = (
+        "run_link",
+        "error_text",
+        "input_json",
+        "output_json",
+        "logs_json",
+        "started",
+        "finished",
+    )
+    running = _column("running", "running_seconds", _duration)
+    started = _column("started", "started_at", _when)
+    finished = _column("finished", "finished_at", _when, "finished_at")
+    error_text = _column("error", "error", _error_text)
+    input_json = _column("input", "input", _json)
+    output_json = _column("output", "output", _json)
+    logs_json = _column("logs", "logs", _json)
 
     @admin.display(description="run")
     def run_link(self, step: DurableStep) -> Any:
@@ -473,11 +572,12 @@ class DurableStepAdmin(ReadOnlyAdmin):
 class DurableActivityAdmin(ReadOnlyAdmin):
     """Key decisions and other notable moments, kept for a week."""
 
-    list_display = ("at", "kind", "workflow", "key", "run_link")
+    list_display = ("when", "kind", "workflow", "key", "run_link")
     list_filter = ("kind", "workflow")
     search_fields = ("key", "=run__id")
     ordering = ("-id",)
     show_full_result_count = False
+    when = _column("at", "at", _when, "id")
 
     @admin.display(description="run")
     def run_link(self, entry: DurableActivity) -> Any:
@@ -489,16 +589,8 @@ class DurableActivityAdmin(ReadOnlyAdmin):
 class DurableScheduleAdmin(ReadOnlyAdmin):
     """Keyed schedules' shared state: failures in a row, last outcome, enabled."""
 
-    list_display = (
-        "name",
-        "workflow",
-        "key",
-        "schedule",
-        "enabled",
-        "failures",
-        "last_outcome",
-        "last_fire_at",
-    )
+    list_display = ("name", "workflow", "key", "schedule", "enabled", "failures", "last_outcome", "last_fire")
     list_filter = ("enabled", "workflow")
     search_fields = ("name", "key")
     ordering = ("name",)
+    last_fire = _column("last fire", "last_fire_at", _when, "last_fire_at")
