@@ -33,6 +33,7 @@ from .core.eager import MAX_STEPS, run_due, sweep
 from .definition import Workflow
 from .errors import InvalidArgument
 from .models import Run
+from .observe.why import stuck_words
 from .store.schema import FINISHED
 
 WAKE_TASK = "durable.testing.wake"
@@ -182,15 +183,28 @@ def _noop() -> None:
 def wait_for(
     durable: Durable, run_id: str, *, statuses: tuple[str, ...] = FINISHED, timeout: float = 30.0
 ) -> Run:
-    """Poll the database until the run reaches one of ``statuses``; raise TimeoutError if not."""
+    """Poll the database until the run reaches one of ``statuses``; raise TimeoutError if not,
+    saying what holds the run (a queue no live worker consumes, workers without its code, flow
+    control, a retry's backoff, a debounce, a paused queue, what it waits for)."""
     deadline = time.monotonic() + timeout
     while True:
         run = durable.get_run(run_id)
         if run.status in statuses:
             return run
         if time.monotonic() > deadline:
-            raise TimeoutError(f"run {run_id} is {run.status} after {timeout}s, not {statuses}")
+            raise TimeoutError(_not_reached(durable, run, statuses, timeout))
         time.sleep(0.05)
+
+
+def _not_reached(durable: Durable, run: Run, statuses: tuple[str, ...], timeout: float) -> str:
+    """The TimeoutError's message: where the run is, and why when it can be told."""
+    said = f"run {run.id} is {run.status} after {timeout}s, not {statuses}"
+    try:
+        # A Fake runs steps in the test's thread: no worker node is looked for.
+        why = stuck_words(durable.runtime, run, durable.list_steps(run.id), not isinstance(durable, Fake))
+    except Exception as exc:  # the database went away: the timeout is still the error to raise
+        why = f"(why is unknown: {type(exc).__name__}: {exc})"
+    return f"{said}: {why}" if why else said
 
 
 # -- the Fake ---------------------------------------------------------------------------------

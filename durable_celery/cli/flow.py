@@ -24,10 +24,12 @@ def flow(ctx: click.Context, workflow: str | None, limit: int, as_json: bool) ->
     key their use, keys with most runs waiting first.
 
     concurrency: slots in use of the limit, and runs parked for a slot (served in start
-    order). throttle: runs begun in the current period, runs parked until the window lets them
-    begin, and when the soonest looks again ("again at"). rate_limit: starts in the current
-    period (a start past the limit raises RateLimited; "again at": when one is accepted again).
-    Only workflows defined in the app given with -A are shown.
+    order). throttle: runs begun (a worker claimed their first step) in the current period, runs
+    parked until the window lets them begin, and when the soonest looks again ("again at").
+    rate_limit: starts in the current period (a start past the limit raises RateLimited; "again
+    at": when one is accepted again). Under a key with runs parked, "held:" says why they wait,
+    in the words of the first one's run page. Only workflows defined in the app given with -A
+    are shown.
     """
     from ..observe.flow import flow_report
 
@@ -68,6 +70,8 @@ def _echo_workflow(entry: Any) -> None:
             f"  {key.kind:11}  {key_words(key.key)[:32]:32}  {use_words(key)[:28]:28}  {waiting:>7}  "
             f"{_when(key.next_look or key.until):23}  {_when(key.oldest_waiting):23}"
         )
+        if key.held:
+            click.echo(f"    held: {key.held}")
 
 
 def _when(at: datetime | None) -> str:

@@ -3,14 +3,16 @@
 ``flow_report`` reads, for every workflow defined here with ``concurrency``, ``throttle`` or
 ``rate_limit``, its limits (``FlowLimit.describe()``) and per key what they hold back: slots in
 use and runs parked for one, begins in the throttle's window and runs it parked (with the
-soonest look again), starts in the rate limit's window. ``explain_wait`` turns a parked run's
-row into one line for people. Every read is bounded (store/flow_reads.py).
+soonest look again), starts in the rate limit's window. ``flow_hold`` (``explain_wait``) says in
+one line which limit holds a parked run: a concurrency slot, the throttle's window, or the runs
+of its key started before it. The run page, the Flow page, ``durable flow``, the JSON API and
+``testing.wait_for`` all use these words. Every read is bounded (store/flow_reads.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument
@@ -42,6 +44,7 @@ class KeyUse:
     next_look: datetime | None = None  # throttle: when the soonest parked run looks again
     oldest_waiting: datetime | None = None  # when the run parked longest was started
     until: datetime | None = None  # rate limit at its limit: when a start is accepted again
+    held: str | None = None  # why its parked runs wait, in the first one's words (held_words)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ def flow_report(rt: Runtime, workflow: str | None = None, keys: int = KEYS_SHOWN
             if wf.rate_limit is not None:
                 entry.keys.extend(_rate_keys(rt, conn, entry.workflow, wf.rate_limit, keys))
             found.append(entry)
+    now = rt.db.utcnow()
+    for entry in found:
+        entry.keys[:] = [replace(k, held=held_words(k, now)) for k in entry.keys]
     return found
 
 
@@ -148,39 +154,130 @@ def _after(at: datetime | None, seconds: float) -> datetime | None:
 
 # -- one run ------------------------------------------------------------------------------------
 
+LINE_SHOWN = 1000  # runs in line ahead of one counted for "behind N earlier runs", at most
+
+
+@dataclass(frozen=True)
+class FlowHold:
+    """What flow control holds a run for: ``wait`` (slot or throttle), its key, the runs of the
+    key started before it that wait too (``behind``), when a throttled run looks again, a short
+    ``label`` and the one-line ``text``."""
+
+    wait: str
+    key: str
+    behind: int
+    until: datetime | None
+    label: str  # "waiting for a concurrency slot", "throttled", "behind earlier runs of its key"
+    text: str
+
 
 def explain_wait(rt: Runtime, run: Any, conn: Connection | None = None) -> str | None:
-    """Why a run waits for its flow limit, in one line, from its row (``workflow``,
-    ``flow_wait``, ``slot_key``, ``throttle_key``, ``due_at``): "waiting for a concurrency slot
-    (tenant:A, 2 of 2 in use)" or "throttled until 2026-12-03 15:40:01 UTC (10 per 60s for
-    api:c1)"; None when it waits for none."""
+    """Why a run waits for its flow limit, in one line (see ``flow_hold``); None when it waits
+    for none."""
+    held = flow_hold(rt, run, conn)
+    return None if held is None else held.text
+
+
+def flow_hold(rt: Runtime, run: Any, conn: Connection | None = None) -> FlowHold | None:
+    """What holds a parked run, from its row (``id``, ``workflow``, ``flow_wait``, ``slot_key``,
+    ``throttle_key``, ``due_at``, ``created_at``): "waiting for a concurrency slot (tenant:A,
+    2 of 2 in use)", "throttled until 15:40:01 UTC (api:c1, 4 began in the last 10 s)", or, when
+    runs of its key started before it wait too, "behind 3 earlier runs of this key (tenant:A,
+    waiting for a concurrency slot: 2 of 2 in use)"; None when it is not parked."""
     wait = getattr(run, "flow_wait", None)
-    workflow = rt.registry.workflows.get(run.workflow)
+    if wait not in (SLOT, THROTTLE):
+        return None
+    if conn is None:
+        with rt.db.engine.connect() as own:
+            return _hold(rt, own, run, wait)
+    return _hold(rt, conn, run, wait)
+
+
+def _hold(rt: Runtime, conn: Connection, run: Any, wait: str) -> FlowHold:
     if wait == SLOT:
-        limit = workflow.concurrency if workflow is not None else None
-        key = run.slot_key if run.slot_key is not None else ""
-        if conn is None:
-            with rt.db.engine.connect() as own:
-                used = _slots_in_use(own, run.workflow, key, limit)
-        else:
-            used = _slots_in_use(conn, run.workflow, key, limit)
-        of = f" of {limit.limit}" if limit is not None else ""
-        return f"waiting for a concurrency slot ({key_words(key)}, {used}{of} in use)"
-    if wait == THROTTLE:
-        limit = workflow.throttle if workflow is not None else None
-        key = run.throttle_key if run.throttle_key is not None else ""
-        until = aware(run.due_at)
-        when = "until " + until.strftime("%Y-%m-%d %H:%M:%S UTC") if until is not None else "for now"
-        if limit is None:
-            return f"throttled {when} ({key_words(key)})"
-        return f"throttled {when} ({limit.limit} per {period_words(limit.period)} for {key_words(key)})"
-    return None
+        key, behind, until, headline, detail = _slot_line(rt, conn, run)
+    else:
+        key, behind, until, headline, detail = _throttle_line(rt, conn, run)
+    if behind:
+        words = f"{headline}: {detail}" if detail else headline
+        text = f"{behind_words(behind, key)} ({f'{key}, {words}' if key else words})"
+        label = "behind earlier runs of its key"
+    else:
+        text = f"{headline} ({key_words(key)}{', ' + detail if detail else ''})"
+        label = "waiting for a concurrency slot" if wait == SLOT else "throttled"
+    return FlowHold(wait, key, behind, until, label, text)
 
 
-def _slots_in_use(conn: Connection, workflow: str, key: str, limit: FlowLimit | None) -> int:
-    # Counted a little past the limit, so a limit lowered by a deploy shows the overshoot.
-    bound = limit.limit * 2 if limit is not None else 1000
-    return flow_reads.slots_in_use(conn, workflow, key, bound)
+def _slot_line(rt: Runtime, conn: Connection, run: Any) -> tuple[str, int, None, str, str]:
+    """A run parked for a slot: its key, the runs ahead of it, no look again, the headline and
+    the slots in use."""
+    workflow = rt.registry.workflows.get(run.workflow)
+    limit = workflow.concurrency if workflow is not None else None
+    used, behind = flow_reads.slot_line(rt.db, conn, run, LINE_SHOWN)
+    detail = slot_use_words(used, limit.limit if limit is not None else None)
+    return run.slot_key or "", behind, None, "waiting for a concurrency slot", detail
+
+
+def _throttle_line(rt: Runtime, conn: Connection, run: Any) -> tuple[str, int, datetime | None, str, str]:
+    """A run parked by the throttle: its key, the runs ahead of it, when it looks again, the
+    headline and the begins in the window."""
+    workflow = rt.registry.workflows.get(run.workflow)
+    limit = workflow.throttle if workflow is not None else None
+    until = aware(run.due_at)
+    headline = "throttled " + ("until " + clock_words(until, rt.db.utcnow()) if until else "for now")
+    if limit is None or limit.period is None:  # a throttle a deploy removed: no window to count
+        _, behind = flow_reads.throttle_line(rt.db, conn, run, 0.0, 1, LINE_SHOWN)
+        return run.throttle_key or "", behind, until, headline, ""
+    # Begins counted a little past the limit, so a limit lowered by a deploy shows the overshoot.
+    begun, behind = flow_reads.throttle_line(rt.db, conn, run, limit.period, limit.limit * 2, LINE_SHOWN)
+    return run.throttle_key or "", behind, until, headline, begun_words(begun, limit.period)
+
+
+def behind_words(behind: int, key: str) -> str:
+    """The runs ahead of one in its key's line: "behind 3 earlier runs of this key" (of this
+    workflow, for a limit on the whole workflow; "1000 or more" past ``LINE_SHOWN``)."""
+    count = f"{behind} or more" if behind >= LINE_SHOWN else str(behind)
+    runs = "run" if behind == 1 else "runs"
+    return f"behind {count} earlier {runs} of this {'key' if key else 'workflow'}"
+
+
+def slot_use_words(used: int, limit: int | None) -> str:
+    """Slots in use: "2 of 2 in use" ("2 in use" when the limit is not known here)."""
+    return f"{used} of {limit} in use" if limit is not None else f"{used} in use"
+
+
+def begun_words(begun: int, period: float | None) -> str:
+    """Begins in the throttle's window: "4 began in the last 10 s"."""
+    return f"{begun} began in the last {seconds_words(period)}"
+
+
+def seconds_words(seconds: float | None) -> str:
+    """A period for the texts about one run: ``10 s``, ``0.5 s``."""
+    return "-" if seconds is None else f"{seconds:g} s"
+
+
+def clock_words(at: datetime, now: datetime) -> str:
+    """A time in the coming hours as ``15:40:01 UTC``; with its date when not on today's (UTC)."""
+    at = at.astimezone(timezone.utc)
+    if at.date() == now.astimezone(timezone.utc).date():
+        return at.strftime("%H:%M:%S UTC")
+    return at.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def held_words(entry: KeyUse, now: datetime) -> str | None:
+    """Why a key's parked runs wait, in the words of the first one's page: "waiting for a
+    concurrency slot (tenant:A, 2 of 2 in use)", "throttled until 15:40:01 UTC (api:c1, 4 began
+    in the last 10 s)", and how many more wait behind it; None when none is parked."""
+    if not entry.waiting:
+        return None
+    if entry.kind == "concurrency":
+        use = slot_use_words(entry.used, entry.limit)
+        first = f"waiting for a concurrency slot ({key_words(entry.key)}, {use})"
+    else:
+        until = "until " + clock_words(entry.next_look, now) if entry.next_look is not None else "for now"
+        first = f"throttled {until} ({key_words(entry.key)}, {begun_words(entry.used, entry.period)})"
+    more = entry.waiting - 1
+    return first if not more else f"{first}; {more} more {'run' if more == 1 else 'runs'} behind it"
 
 
 def key_words(key: str) -> str:
@@ -189,7 +286,7 @@ def key_words(key: str) -> str:
 
 
 def period_words(period: float | None) -> str:
-    """A period in seconds as the explanations write it: ``60s``, ``0.5s``."""
+    """A period in seconds as limits and key uses are written: ``60s``, ``0.5s``."""
     return "-" if period is None else f"{period:g}s"
 
 

@@ -1,5 +1,7 @@
 """Reads for people about flow control (observe/flow.py): per key of a workflow, the slots in
-use and the runs parked, the throttle's begins and the rate limit's starts in their windows.
+use and the runs parked, the throttle's begins and the rate limit's starts in their windows; for
+one parked run, its key's use and the runs in line ahead of it; per queue, the runs flow control
+holds and those waiting (status ``waiting``), for the dashboard's overview.
 
 Each statement reads a bounded number of rows (``LIMIT``) over the partial indexes of
 schema.py, so a page costs the same with 10 or 10,000 runs parked; past the bound a count is
@@ -11,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, literal, select, union_all
+from sqlalchemy import Connection, and_, case, func, literal, or_, select, union_all
 
+from . import flow_rows
 from .db import Database
 from .flow_rows import SLOT, THROTTLE
 from .schema import UNFINISHED, runs
@@ -166,12 +169,55 @@ def _per_key(
 
 
 def run_flow(conn: Connection, run_id: str) -> Any:
-    """A run's flow columns (``workflow``, ``flow_wait``, ``slot_key``, ``throttle_key``,
-    ``due_at``), or None."""
+    """A run's flow columns (``id``, ``workflow``, ``flow_wait``, ``slot_key``,
+    ``throttle_key``, ``due_at``, ``created_at``: its place in its keys' lines), or None."""
     query = select(
-        runs.c.workflow, runs.c.flow_wait, runs.c.slot_key, runs.c.throttle_key, runs.c.due_at
+        runs.c.id,
+        runs.c.workflow,
+        runs.c.flow_wait,
+        runs.c.slot_key,
+        runs.c.throttle_key,
+        runs.c.due_at,
+        runs.c.created_at,
     ).where(runs.c.id == run_id)
     return conn.execute(query).first()
+
+
+def slot_line(db: Database, conn: Connection, run: Any, bound: int) -> tuple[int, int]:
+    """For a run of a slot key (a row with ``id``, ``workflow``, ``slot_key``, ``created_at``):
+    the key's steps holding a slot, and the runs started before it that wait for one (parked,
+    or due and not yet claimed), each counted up to ``bound``: the counts its claim makes."""
+    return flow_rows.slot_line_txn(db, conn, run, bound)
+
+
+def throttle_line(
+    db: Database, conn: Connection, run: Any, period: float, begun_bound: int, ahead_bound: int
+) -> tuple[int, int]:
+    """For a run of a throttle key (a row with ``id``, ``workflow``, ``throttle_key``,
+    ``created_at``): the key's runs that began (their first step claimed) in the last
+    ``period`` seconds, up to ``begun_bound``, and the runs started before it that wait to
+    begin, up to ``ahead_bound``: the counts its claim makes."""
+    key = run.throttle_key
+    begun = flow_rows.begins_in_window_txn(db, conn, run.workflow, key, period, begun_bound)
+    return len(begun), flow_rows.throttle_line_ahead_txn(db, conn, run, ahead_bound)
+
+
+def held_by_queue(db: Database, conn: Connection) -> Sequence[Any]:
+    """Per queue of unfinished runs neither due nor running (``count_by_queue``'s "waiting"):
+    ``held``, those flow control parks, and ``waiting``, the others whose status is
+    ``waiting`` (parked on a sleep, an event, an input or children)."""
+    parked = and_(runs.c.locked_by.is_(None), or_(runs.c.due_at.is_(None), runs.c.due_at > db.now()))
+    held = runs.c.flow_wait.is_not(None)
+    query = (
+        select(
+            runs.c.queue,
+            _counted(and_(parked, held)).label("held"),
+            _counted(and_(parked, ~held, runs.c.status == "waiting")).label("waiting"),
+        )
+        .where(runs.c.status.in_(UNFINISHED))
+        .group_by(runs.c.queue)
+    )
+    return conn.execute(query).all()
 
 
 def flow_gauges(conn: Connection) -> Sequence[Any]:

@@ -8,12 +8,11 @@ from dataclasses import asdict, fields, is_dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..core.waits import INPUT, INTERNAL
 from ..errors import InvalidArgument
 from ..models import Run, aware
 from ..observe.activity import KeyEntry, key_blocks
 from ..observe.flow import flow_report, key_words, limit_words, limits_of, use_words
-from ..store import activity_rows, observe_rows
+from ..store import activity_rows, flow_reads, observe_rows
 from ..store.db import masked_url
 from ..store.schema import UNFINISHED
 from . import queries, why
@@ -77,8 +76,8 @@ def check_status(value: Any) -> str | None:
 
 
 def overview(durable: Durable) -> dict[str, Any]:
-    """Runs per status, ready backlog per workflow and queue, failures of the last hour, nodes,
-    paused queues and the schema state."""
+    """Runs per status and those held by flow control, ready backlog per workflow and queue,
+    failures of the last hour, nodes, paused queues and the schema state."""
     db = durable.db
     now = db.utcnow()
     with db.engine.connect() as conn:
@@ -86,9 +85,13 @@ def overview(durable: Durable) -> dict[str, Any]:
         ready = observe_rows.ready_by_workflow(db, conn)
         failed = queries.failed_since(conn, now - timedelta(hours=1))
         stale = observe_rows.stale_lock_count(db, conn, durable.settings.stale_lock_timeout)
+        gauges = flow_reads.flow_gauges(conn)
     queue_list = queues_data(durable)
     return {
         "runs": counts,
+        # Runs parked for a slot or by the throttle: their status stays pending, running or
+        # waiting (a sleep that ended), so they are counted apart from the "waiting" status.
+        "held_by_flow": sum(int(g.n) for g in gauges if g.what != flow_reads.IN_USE),
         "count_cap": observe_rows.COUNT_CAP,
         "ready_by_workflow": [
             {"workflow": r.workflow, "ready": int(r.ready), "oldest": aware(r.oldest)} for r in ready
@@ -187,7 +190,7 @@ def run_detail(durable: Durable, run_id: str) -> dict[str, Any]:
         "run": run,
         "steps": [dict(asdict(s), duration=_seconds(s.started_at, s.finished_at)) for s in steps],
         "events": events,
-        "waiting_for": _waiting_for(durable, run_id),
+        "waiting_for": state["wait"],
         "children": durable.list_children(run_id, limit=200),
         "parent": brief.get(run.parent_id or ""),
         "runs_after": brief.get(run.runs_after_id or ""),
@@ -199,20 +202,6 @@ def run_detail(durable: Durable, run_id: str) -> dict[str, Any]:
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return None if start is None or end is None else round((end - start).total_seconds(), 3)
-
-
-def _waiting_for(durable: Durable, run_id: str) -> dict[str, Any] | None:
-    """What a waiting run waits for: an input (give it on the page) or an event, and until when."""
-    with durable.db.engine.connect() as conn:
-        row = queries.wait_of_run(conn, run_id)
-    if row is None or row.status != "waiting" or not row.wait_name:
-        return None
-    until = aware(row.wait_until)
-    if row.wait_name.startswith(INPUT):
-        return {"kind": "input", "name": row.wait_name[len(INPUT) :], "until": until}
-    if row.wait_name.startswith(INTERNAL):
-        return {"kind": "timer", "name": row.wait_name[len(INTERNAL) :], "until": until}
-    return {"kind": "event", "name": row.wait_name, "until": until}
 
 
 def key_view(durable: Durable, conn: Any, run: Run) -> dict[str, Any] | None:
@@ -404,15 +393,28 @@ def flow_data(durable: Durable, workflow: str | None, keys: int = 50) -> dict[st
 
 def queues_data(durable: Durable) -> dict[str, Any]:
     """Per queue: counts, paused, its live consumers (flagged when ready runs have none);
-    nodes; recoveries and fenced workers of the last day."""
+    nodes; recoveries and fenced workers of the last day.
+
+    Of a queue's runs neither ready nor running, ``waiting`` counts those of status
+    ``waiting`` (on a sleep, an event, an input, children), ``held`` those flow control parks
+    and ``later`` the others (a retry's backoff, a debounce, a snooze)."""
     stats = durable.stats.queues()
-    now = durable.db.utcnow()
+    db = durable.db
+    now = db.utcnow()
     nodes = why.live_nodes(durable, now)
+    parked: dict[str, tuple[int, int]] = {}
+    with db.engine.connect() as conn:
+        for row in flow_reads.held_by_queue(db, conn):
+            name = row.queue or durable.runtime.default_queue()  # as queue_stats counts them
+            held, waiting = parked.get(name, (0, 0))
+            parked[name] = (held + int(row.held or 0), waiting + int(row.waiting or 0))
     queue_list = []
     for name, entry in stats.items():
         consumers = why.consumers(nodes, name)
         no_consumer = entry["ready"] > 0 and not consumers and not entry["paused"]
-        queue_list.append(dict(entry, name=name, consumers=consumers, no_consumer=no_consumer))
+        held, waiting = parked.get(name, (0, 0))
+        split = {"waiting": waiting, "held": held, "later": max(entry["waiting"] - held - waiting, 0)}
+        queue_list.append(dict(entry, **split, name=name, consumers=consumers, no_consumer=no_consumer))
     with durable.db.engine.connect() as conn:
         since = now - timedelta(days=1)
         troubles = queries.count_activity(conn, queries.RECOVERY_KINDS, since)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -740,3 +741,116 @@ def test_a_workflow_made_from_a_function_takes_its_steps_options(monkeypatch):
     named = fake.workflow("named_with_step_options", retry=2)
     with pytest.raises(InvalidDefinition, match="give them to .step"):
         named.step(lambda: None, name="one")
+
+
+# -- wait_for says why a run is not moving ----------------------------------------------------
+
+
+def _live_node(durable):
+    """The name of a live node once one has written its row."""
+    deadline = time.monotonic() + 30
+    while not (found := [n for n in durable.list_nodes() if n["queues"]]):
+        assert time.monotonic() < deadline, "no worker node wrote its row"
+        time.sleep(0.05)
+    return found[0]["name"]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_wait_for_names_the_queue_no_live_worker_consumes(durable):
+    default = durable.app.conf.task_default_queue
+    nobody = f"{default}-nobody"
+    durable.workflow("report", queue=nobody).step(lambda month: month, name="render")
+    with worker(durable):
+        node = _live_node(durable)
+        run_id = durable.start("report", {"month": "2026-01"})
+        with pytest.raises(TimeoutError) as raised:
+            wait_for(durable, run_id, timeout=0.5)
+    said = str(raised.value)
+    assert said.startswith(f"run {run_id} is pending after 0.5s, not ('completed',")
+    assert f"no live worker consumes its queue {nobody} (live nodes: {node} consumes {default})" in said
+    assert said.endswith(f"start one with -Q {nobody}")
+
+
+def _flow_wait(durable, run_id):
+    from durable_celery.store.flow_reads import run_flow
+
+    with durable.db.engine.connect() as conn:
+        return run_flow(conn, run_id).flow_wait
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_wait_for_says_a_concurrency_limit_holds_the_run(durable):
+    entered, go = threading.Event(), threading.Event()
+    export = durable.workflow("export", concurrency={"limit": 1, "key": "tenant:{tenant}"})
+
+    @export.step
+    def write(tenant, n):
+        entered.set()
+        assert go.wait(60), "the test never let the step go"
+
+    try:
+        with worker(durable, concurrency=2):
+            first = durable.start("export", {"tenant": "A", "n": 1})
+            assert entered.wait(30)
+            second = durable.start("export", {"tenant": "A", "n": 2})
+            deadline = time.monotonic() + 30
+            while _flow_wait(durable, second) != "slot":  # the worker's claim parks it
+                assert time.monotonic() < deadline, "the second run was never parked"
+                time.sleep(0.05)
+            with pytest.raises(TimeoutError) as raised:
+                wait_for(durable, second, timeout=0.2)
+            held = "held by flow control: waiting for a concurrency slot (tenant:A, 1 of 1 in use)"
+            assert str(raised.value).endswith(f": {held}")
+            with pytest.raises(TimeoutError, match=r"its step is running on \S+ \(last heartbeat "):
+                wait_for(durable, first, timeout=0.1)
+            go.set()
+            assert wait_for(durable, second, timeout=30).status == "completed"
+    finally:
+        go.set()
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_wait_for_names_workers_without_the_code_and_a_paused_queue(durable):
+    from durable_celery.store import node_rows
+
+    default = durable.app.conf.task_default_queue
+    durable.workflow("invoice").step(lambda n: n, name="send")
+    now = durable.db.utcnow()
+    with durable.db.begin() as conn:  # an older build's worker: it has no workflow invoice
+        row = {"name": "old@build", "queues": [default], "steps": {"other": ["x"]}, "pid": 1}
+        node_rows.insert_node_txn(conn, dict(row, draining=False, started_at=now, seen_at=now))
+    run_id = durable.start("invoice", {"n": 1})
+    with pytest.raises(TimeoutError) as raised:
+        wait_for(durable, run_id, timeout=0.2)
+    lacking = (
+        f"the live workers consuming its queue {default} (old@build) lack step 'send' of workflow 'invoice'"
+    )
+    assert str(raised.value).endswith(f": {lacking}")
+    durable.pause_queue(default)
+    with pytest.raises(TimeoutError, match=f"its queue {default} is paused: resume it"):
+        wait_for(durable, run_id, timeout=0.1)
+
+
+def test_wait_for_a_fake_says_a_retry_waits_out_its_backoff_and_looks_for_no_worker():
+    fake = Fake()
+    payment = fake.workflow("payment")
+
+    @payment.step(retry=2, backoff=600)
+    def charge(card):
+        raise RuntimeError(f"card {card} declined")
+
+    run_id = fake.start(payment, {"card": "4242"})
+    with pytest.raises(TimeoutError) as raised:
+        wait_for(fake, run_id, timeout=0.1)
+    said = str(raised.value)
+    assert re.search(r": due since \d\d:\d\d:\d\d UTC on queue \S+, not claimed yet$", said), said
+    assert "no live worker" not in said  # a Fake's steps run in the test's thread
+    fake.run_until_idle()
+    with pytest.raises(TimeoutError) as raised:
+        wait_for(fake, run_id, timeout=0.1)
+    said = str(raised.value)
+    assert (
+        "waiting out a retry backoff: attempt 1 of step charge failed (RuntimeError: card 4242 declined)"
+        in said
+    )
+    assert re.search(r"attempt 2 of 2 is due at (\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d UTC$", said), said
