@@ -12,6 +12,7 @@ TRANSACTIONS            yes         yes          yes
 SKIP_LOCKED             yes         no           no
 MULTI_PROCESS           yes         yes          no
 FLOW_CONTROL            yes         yes          yes
+ATOMIC_STEPS            yes         no           no
 ======================  ==========  ===========  ======
 
 A ``Durable`` (or a ``testing.Fake``) may be told to claim fewer than its backend has; a call
@@ -37,6 +38,9 @@ class Capability(enum.Flag):
     SKIP_LOCKED = enum.auto()  # relays and sweeps of many workers share work without waiting
     MULTI_PROCESS = enum.auto()  # workers and producers in several processes share the store
     FLOW_CONTROL = enum.auto()  # concurrency=, throttle=, rate_limit= per key (core/flow.py)
+    # @wf.step(atomic=True) (core/atomic.py): a step's transaction stays open while it runs, which
+    # SQLite's one writer at a time would make every other write (heartbeats too) wait for.
+    ATOMIC_STEPS = enum.auto()
     ALL = (
         IDEMPOTENCY_KEY
         | EVENTS
@@ -47,15 +51,17 @@ class Capability(enum.Flag):
         | SKIP_LOCKED
         | MULTI_PROCESS
         | FLOW_CONTROL
+        | ATOMIC_STEPS
     )
 
 
 def of_backend(*, postgres: bool, memory: bool) -> Capability:
-    """What a backend supports: PostgreSQL everything, a SQLite file all but SKIP_LOCKED, the
-    in-memory store also not MULTI_PROCESS."""
+    """What a backend supports: PostgreSQL everything, a SQLite file all but SKIP_LOCKED and
+    ATOMIC_STEPS, the in-memory store also not MULTI_PROCESS."""
     if postgres:
         return Capability.ALL
-    lacking = Capability.SKIP_LOCKED | (Capability.MULTI_PROCESS if memory else Capability(0))
+    lacking = Capability.SKIP_LOCKED | Capability.ATOMIC_STEPS
+    lacking |= Capability.MULTI_PROCESS if memory else Capability(0)
     return Capability.ALL & ~lacking
 
 

@@ -111,6 +111,9 @@ class Step:
     backoff: float | None = None
     # Attempts a compensation gets, in all (its own count, apart from the step's).
     compensate_retry: int = 3
+    # The step (and its compensation) runs inside a database transaction that commits with
+    # durable's record of it (core/atomic.py): its writes on that connection happen once.
+    atomic: bool = False
     # What the step (and its compensation, or its parallel branches) take of the input.
     accepts: list[Accepts] = field(default_factory=list, repr=False)
 
@@ -186,11 +189,14 @@ class Workflow:
         timeout: float | None = None,
         backoff: float | None = None,
         compensate_retry: int = 3,
+        atomic: bool = False,
     ) -> Any:
         """Add the next step; use as ``@wf.step`` or ``@wf.step(retry=3, queue="slow")``.
 
         ``compensate`` is called (with the run's input) when a later step fails for good;
-        compensations run in reverse order with ``compensate_retry`` attempts each.
+        compensations run in reverse order with ``compensate_retry`` attempts each. ``atomic``:
+        the step runs in a transaction on durable's database that commits with durable's record
+        of the step (``current_run().connection``; Django: ``transaction.atomic``).
         """
 
         if self.step_options:
@@ -200,7 +206,7 @@ class Workflow:
             )
 
         def add(func: Callable[..., Any]) -> Callable[..., Any]:
-            self._add_step(func, name, retry, queue, compensate, timeout, backoff, compensate_retry)
+            self._add_step(func, name, retry, queue, compensate, timeout, backoff, compensate_retry, atomic)
             return func
 
         return add(fn) if fn is not None else add
@@ -215,6 +221,7 @@ class Workflow:
         timeout: float | None,
         backoff: float | None,
         compensate_retry: int = 3,
+        atomic: bool = False,
     ) -> None:
         if self.name is None:
             raise InvalidDefinition("name the workflow before adding steps")
@@ -225,7 +232,7 @@ class Workflow:
             raise InvalidDefinition(f"a step name must be letters, digits, '_' or '-': {step_name!r}")
         if any(s.name == step_name for s in self.steps):
             raise InvalidDefinition(f"workflow {self.name!r} already has a step {step_name!r}")
-        _check_step_options(retry, compensate, compensate_retry, timeout, backoff)
+        _check_step_options(retry, compensate, compensate_retry, timeout, backoff, atomic)
         accepts = accepts_of(fn, f"step {step_name!r}")
         if compensate is not None:
             who = f"compensation {getattr(compensate, '__name__', 'function')!r} of step {step_name!r}"
@@ -240,6 +247,7 @@ class Workflow:
             timeout=timeout,
             backoff=backoff,
             compensate_retry=compensate_retry,
+            atomic=atomic,
             workflow_name=self.name,
             accepts=accepts,
         )
@@ -302,9 +310,9 @@ class Workflow:
                 self.registry.register(self)
         given = self.step_options
         retry, compensate_retry = given.get("retry", 1), given.get("compensate_retry", 3)
-        self._add_step(
-            fn, None, retry, None, given.get("compensate"), None, given.get("backoff"), compensate_retry
-        )
+        compensate, backoff = given.get("compensate"), given.get("backoff")
+        atomic = given.get("atomic", False)
+        self._add_step(fn, None, retry, None, compensate, None, backoff, compensate_retry, atomic)
         self.step_options = {}
         self.__doc__ = fn.__doc__
         return self
@@ -389,8 +397,10 @@ class Workflow:
 
 
 def _check_step_options(
-    retry: Any, compensate: Any, compensate_retry: Any, timeout: Any, backoff: Any
+    retry: Any, compensate: Any, compensate_retry: Any, timeout: Any, backoff: Any, atomic: Any = False
 ) -> None:
+    if not isinstance(atomic, bool):
+        raise InvalidDefinition(f"atomic is True or False, not {atomic!r}")
     for what, count in (("retry", retry), ("compensate_retry", compensate_retry)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise InvalidDefinition(f"{what} is the number of attempts in all, >= 1, not {count!r}")
@@ -504,7 +514,7 @@ class Registry:
 
 # Options of a workflow made from a function that belong to its one step, not to the workflow
 # (``timeout`` and ``queue`` are the workflow's, and so the step's too).
-STEP_OPTIONS = ("retry", "backoff", "compensate", "compensate_retry")
+STEP_OPTIONS = ("retry", "backoff", "compensate", "compensate_retry", "atomic")
 
 
 def workflow_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -518,6 +528,7 @@ def workflow_options(options: dict[str, Any]) -> dict[str, Any]:
             step.get("compensate_retry", 3),
             None,
             step.get("backoff"),
+            step.get("atomic", False),
         )
         options["step_options"] = step
     return options

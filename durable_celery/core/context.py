@@ -14,7 +14,11 @@ from .run_state import RunState
 from .waits import MISSING
 
 if TYPE_CHECKING:
-    from ..definition import Workflow
+    from sqlalchemy import Connection
+    from sqlalchemy.orm import Session
+
+    from ..definition import Step, Workflow
+    from .heartbeat import ActiveStep
 
 _current: ContextVar[RunContext | None] = ContextVar("durable_current_run", default=None)
 
@@ -23,6 +27,26 @@ _current: ContextVar[RunContext | None] = ContextVar("durable_current_run", defa
 class RunContext(RunState):
     """The run a step is executing for (``current_run()``): ids, input, the shared context dict
     and the attempt, and what a step may do with its run (wait, sleep, snooze, start children)."""
+
+    @property
+    def connection(self) -> Connection:
+        """An atomic step's SQLAlchemy connection, in the transaction that commits with durable's
+        record of the step; InvalidArgument in any other step."""
+        if self._transaction is None:
+            from ..errors import InvalidArgument
+
+            raise InvalidArgument(
+                f"current_run().connection is only there in an atomic step: define step {self.step!r} "
+                "with @wf.step(atomic=True) to write in the transaction that records it (or open a "
+                "connection of your own, whose writes then happen once per attempt)"
+            )
+        return self._transaction.conn  # type: ignore[no-any-return]
+
+    def session(self) -> Session:
+        """An ORM Session on ``connection`` (atomic steps): durable flushes it before it records
+        the step and commits both; the step does not commit it."""
+        self.connection  # noqa: B018  (InvalidArgument outside an atomic step)
+        return self._transaction.session()  # type: ignore[no-any-return]
 
     def shutting_down(self) -> bool:
         """True once this worker is shutting down: a long step may stop early and ``snooze``
@@ -128,3 +152,20 @@ def enter(run: RunContext) -> Any:
 def leave(token: Any) -> None:
     """Restore what was current before :func:`enter`."""
     _current.reset(token)
+
+
+def context_of(row: Any, step: Step, active: ActiveStep | None) -> RunContext:
+    """What ``current_run()`` shows a step of the claimed ``row``."""
+    return RunContext(
+        id=row.id,
+        workflow=row.workflow,
+        input=dict(row.input),
+        context=dict(row.context),
+        attempt=row.attempt,
+        key=row.key,
+        step=step.name,
+        _active=active,  # type: ignore[arg-type]  # None: nothing runs (a lost process's step)
+        _resumed_wait=row.wait_name,
+        _step_index=step.index,
+        _parent_id=row.parent_id,
+    )

@@ -3,6 +3,9 @@ key decision sets off (``after_commit``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
@@ -12,6 +15,7 @@ from ..errors import InvalidArgument, KeyContended, KeyTaken, NoKey, NotFinished
 from ..inputs import check_input
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
 from ..store.schema import FINISHED, UNFINISHED, runs
+from . import atomic
 from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees, start_run
 from .runs import new_run
 from .waits import INPUT, check_event
@@ -191,7 +195,9 @@ def provide_input(rt: Runtime, run_id: str, name: str, value: Any) -> bool:
 
 def _deliver(rt: Runtime, run_id: str, name: str, payload: Any, buffer: bool) -> bool:
     db = rt.db
-    with db.begin() as conn:
+    joined = atomic.current()  # inside an atomic step: the event commits with it
+    joined = joined if joined is not None and joined.db is db else None
+    with _transaction(db, joined) as conn:
         # Locked: a step parking on this event at the same moment either parks first (and is
         # woken here) or waits for this commit and then finds the event (event_rows.park_txn).
         run = _run(conn, run_id, lock=True)
@@ -206,5 +212,17 @@ def _deliver(rt: Runtime, run_id: str, name: str, payload: Any, buffer: bool) ->
                 return False
             event_rows.insert_event_txn(db, conn, run_id, name, payload)
     if woken is not None:
-        after_commit(rt, Decision(run_id, publish=[tuple(woken)]))  # type: ignore[list-item]
+        decision = Decision(run_id, publish=[tuple(woken)])  # type: ignore[list-item]
+        then = partial(after_commit, rt, decision)
+        joined.on_commit(then) if joined is not None else then()
     return True
+
+
+@contextmanager
+def _transaction(db: Any, joined: Any) -> Iterator[Any]:
+    """The joined atomic step's connection, or a transaction of its own."""
+    if joined is not None:
+        yield joined.conn
+        return
+    with db.begin() as conn:
+        yield conn

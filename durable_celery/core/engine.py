@@ -14,20 +14,20 @@ from typing import TYPE_CHECKING, Any
 
 from .. import signals
 from ..definition import ParallelGroup, Step, Workflow
-from ..errors import DatabaseUnavailable, DurableError, RunStopped, StepTimeout, WorkerLost
+from ..errors import DurableError, RunStopped, StepTimeout, WorkerLost
 from ..models import aware
-from ..store import activity_rows, child_rows, event_rows, key_rows, queries
+from ..store import activity_rows, child_rows, event_rows, queries
 from ..store.db import Clock
 from . import continuation, flow, outcomes
+from .atomic import AtomicSteps, StepTransaction
 from .children import fan_out
-from .context import RunContext, enter, leave
-from .control import after_commit
+from .context import RunContext, context_of, enter, leave
 from .heartbeat import ActiveStep, Heartbeater, stop_reason
-from .keys import settle_waiting_txn, wake_parent_txn
 from .outcomes import ENDED, MessageResult, Outcome, error_record, with_logs
 from .queues import queue_of
 from .rollout import definition_changed, known_elsewhere
 from .waits import Parked, Snoozed
+from .writes import StepWrites
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -42,7 +42,7 @@ def process_node(pid: int) -> str:
     return f"{_HOST}:{pid}"
 
 
-class Engine:
+class Engine(AtomicSteps, StepWrites):
     """Runs steps for one ``Durable``: the one place where step execution lives."""
 
     def __init__(self, rt: Runtime) -> None:
@@ -138,7 +138,7 @@ class Engine:
         self, workflow: Workflow, step: Step, row: Any, compensate: bool = False
     ) -> MessageResult:
         """Run a step (or compensation) of a run this worker has claimed, and record it."""
-        ctx = _context(row, step, ActiveStep(self, row.id, row.fence, step.timeout, compensate))
+        ctx = context_of(row, step, ActiveStep(self, row.id, row.fence, step.timeout, compensate))
         started = self.db.utcnow()
         signals.step_started.send(
             sender=self.rt.sender,
@@ -152,17 +152,30 @@ class Engine:
                 return MessageResult(self._code_elsewhere(row))
             changed = DurableError(definition_changed(row.workflow, row.step_name)["message"])
             return MessageResult(self._definition_changed(workflow, step, row, started), changed)
-        # -- observability hook (instrument.py): the attempt's span and log capture --------------
+        if step.atomic:  # its writes commit with its record (atomic.py)
+            status, outcome = self._run_atomic(workflow, step, row, ctx, compensate, started)
+        else:
+            outcome = self._observed_call(workflow, step, row, ctx, compensate)
+            status = self._record_either(workflow, step, row, ctx, outcome, started, compensate)
+        return MessageResult(status, outcome.error, row.attempt, continuation.take_claimed())
+
+    def _observed_call(
+        self, workflow: Workflow, step: Step, row: Any, ctx: RunContext, compensate: bool
+    ) -> Outcome:
+        """Run the step under the observability hook (instrument.py: its span, its logs)."""
         with self.rt.instrumentation.observe_step(workflow, ctx, row) as observed:
             outcome = self._call(step, ctx, compensate=compensate)
             observed.finish(outcome)
         outcome.logs = observed.logs
-        # -----------------------------------------------------------------------------------------
+        return outcome
+
+    def _record_either(
+        self, workflow: Workflow, step: Step, row: Any, ctx: RunContext, outcome: Outcome,
+        started: Any, compensate: bool, tx: StepTransaction | None = None,
+    ) -> str:  # fmt: skip
         if compensate:
-            status = self._record_compensation(workflow, step, row, outcome, started)
-        else:
-            status = self._record(workflow, step, row, ctx, outcome, started)
-        return MessageResult(status, outcome.error, row.attempt, continuation.take_claimed())
+            return self._record_compensation(workflow, step, row, outcome, started, tx=tx)
+        return self._record(workflow, step, row, ctx, outcome, started, tx=tx)
 
     def _call(self, step: Step, ctx: RunContext, compensate: bool) -> Outcome:
         active = ctx._active
@@ -225,7 +238,7 @@ class Engine:
             if compensate or row.status != "running" or row.step_index >= len(workflow.steps):
                 return "dropped"
             step = workflow.steps[row.step_index]  # a step it went on to inline (continuation.py)
-        ctx = _context(row, step, None)  # nothing runs: the process is gone
+        ctx = context_of(row, step, None)  # nothing runs: the process is gone
         lost = (error or WorkerLost)(f"the process running step {step.name!r} died: {reason}")
         outcome = Outcome(error=lost)
         log.warning("durable: run %s step %s lost its process (%s)", row.id, step.name, reason)
@@ -265,6 +278,7 @@ class Engine:
         outcome: Outcome,
         started: Any,
         worker: str | None = None,
+        tx: StepTransaction | None = None,
     ) -> str:
         if outcome.stopped is not None:
             return self._stopped(workflow, step, row, outcome.stopped, outcome.logs)
@@ -292,19 +306,17 @@ class Engine:
         else:
             step_row.update(status="failed", error=error_record(outcome.error))
         go_on = continuation.go_on(self.shutting_down, status, run_values)  # claim the next step as well?
-        recorded, fence_now = self._write(workflow, row, status, run_values, step_row, go_on)
+        recorded, fence_now = self._write(workflow, row, status, run_values, step_row, go_on, tx)
         if not recorded:
             return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence), node=worker)
-        signals.step_finished.send(
-            sender=self.rt.sender,
-            run_id=row.id,
-            workflow=row.workflow,
-            step=step.name,
-            attempt=row.attempt,
-            status=step_row["status"],
-            duration=(step_row["finished_at"] - started).total_seconds(),
-        )
-        self._after_write(workflow, row, status, run_values, sent=go_on is None)
+        duration = (step_row["finished_at"] - started).total_seconds()
+        finished = partial(
+            signals.step_finished.send, sender=self.rt.sender, run_id=row.id, workflow=row.workflow,
+            step=step.name, attempt=row.attempt, status=step_row["status"], duration=duration,
+        )  # fmt: skip
+        then = partial(self._after_write, workflow, row, status, run_values, sent=go_on is None)
+        for fn in (finished, then):
+            tx.on_commit(fn) if tx is not None else fn()
         return status
 
     def _after_write(
@@ -321,92 +333,6 @@ class Engine:
             compensate = status == "compensating"
             self.rt.outbox.send(workflow, index, row.id, 1, row.key, compensate=compensate)
 
-    def _write(
-        self,
-        workflow: Workflow,
-        row: Any,
-        status: str,
-        run_values: dict[str, Any],
-        step_row: dict[str, Any],
-        go_on: queries.GoOn | None = None,
-    ) -> tuple[bool, int | None]:
-        """Write the step's outcome and the run's next state: (recorded, fence if not); with
-        ``go_on``, claim the next step too (continuation.py).
-
-        A database outage does not cost the step: the write is tried again until the database
-        is back (no sweep hands the run away before it has seen the database for
-        ``stale_lock_timeout`` after the outage), or until a shutdown's grace period is over,
-        and a write whose commit went through unanswered is known by its step row.
-        """
-        waited, pause = 0.0, 0.2
-        while True:
-            try:
-                recorded, fence_now = self._write_once(workflow, row, status, run_values, step_row, go_on)
-            except DatabaseUnavailable as exc:
-                if self.drain_over():
-                    raise
-                if not waited:
-                    log.warning("durable: run %s: %s; its outcome is kept until then", row.id, exc)
-                time.sleep(pause)
-                # Never slower than the heartbeats it stands in for: the write must land before
-                # a sweep that waited out its own window after the outage takes the run.
-                waited, pause = waited + pause, min(pause * 2, self.rt.settings.heartbeat_interval)
-                continue
-            if not recorded and waited and self._wrote_before(row, step_row):
-                log.warning("durable: run %s: the outcome was recorded before the outage ended", row.id)
-                if go_on is not None:
-                    with self.db.engine.connect() as conn:
-                        continuation.claimed(queries.run_held_by(conn, row.id, go_on.node), go_on)
-                return True, None
-            return recorded, fence_now
-
-    def _wrote_before(self, row: Any, step_row: dict[str, Any]) -> bool:
-        """Did an earlier try of this write commit (its answer lost to the outage)?"""
-        with self.db.engine.connect() as conn:
-            return queries.step_recorded(
-                conn,
-                row.id,
-                step_row["step_index"],
-                step_row.get("phase", "step"),
-                row.attempt,
-                step_row["worker"],
-            )
-
-    def _write_once(
-        self,
-        workflow: Workflow,
-        row: Any,
-        status: str,
-        run_values: dict[str, Any],
-        step_row: dict[str, Any],
-        go_on: queries.GoOn | None = None,
-    ) -> tuple[bool, int | None]:
-        finishing = status in ENDED
-        settled = None
-        if self.db.is_postgres and not (finishing and (row.key or row.parent_id)):
-            with self.db.single() as conn:  # one statement, committed on its own
-                written = queries.record_step(self.db, conn, row.id, row.fence, run_values, step_row, go_on)
-                recorded = written is not None
-                fence_now = None if recorded else queries.run_fence(conn, row.id)
-        else:
-            with self.db.begin() as conn:
-                # The key row is locked before the run row, the order every transaction keeps.
-                key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
-                written = queries.record_step_txn(
-                    self.db, conn, row.id, row.fence, run_values, step_row, go_on
-                )
-                recorded = written is not None
-                fence_now = None if recorded else queries.run_fence(conn, row.id)
-                if recorded and key_row is not None:
-                    settled = settle_waiting_txn(self.rt, conn, key_row, status, workflow)
-                if recorded and finishing and row.parent_id is not None:
-                    settled = wake_parent_txn(self.rt, conn, row.id, settled)
-        if settled is not None:
-            after_commit(self.rt, settled)
-        if go_on is not None:
-            continuation.claimed(written, go_on)
-        return recorded, fence_now
-
     # -- compensations ---------------------------------------------------------------------
 
     def _record_compensation(
@@ -417,6 +343,7 @@ class Engine:
         outcome: Outcome,
         started: Any,
         worker: str | None = None,
+        tx: StepTransaction | None = None,
     ) -> str:
         """Record one compensation attempt; go on to the one before, retry, or end the run."""
         if outcome.stopped is not None:  # cancelled or fenced: a shutdown lets compensations end
@@ -441,10 +368,11 @@ class Engine:
         if "step_index" in run_values:
             run_values["queue"] = queue_of(self.rt.default_queue(), workflow, run_values["step_index"])
         status = run_values.get("status", "compensating")
-        recorded, fence_now = self._write(workflow, row, status, run_values, step_row)
+        recorded, fence_now = self._write(workflow, row, status, run_values, step_row, tx=tx)
         if not recorded:
             return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence), node=worker)
-        self._after_write(workflow, row, status, run_values)
+        then = partial(self._after_write, workflow, row, status, run_values)
+        tx.on_commit(then) if tx is not None else then()
         return status
 
     def _park(self, workflow: Workflow, step: Step, row: Any, parked: Parked) -> str:
@@ -578,20 +506,3 @@ class Engine:
                 sender=self.rt.sender, run_id=row.id, workflow=workflow.name, step=step.name
             )
         return reason
-
-
-def _context(row: Any, step: Step, active: ActiveStep | None) -> RunContext:
-    """What ``current_run()`` shows a step of the claimed ``row``."""
-    return RunContext(
-        id=row.id,
-        workflow=row.workflow,
-        input=dict(row.input),
-        context=dict(row.context),
-        attempt=row.attempt,
-        key=row.key,
-        step=step.name,
-        _active=active,  # type: ignore[arg-type]  # None: nothing runs (a lost process's step)
-        _resumed_wait=row.wait_name,
-        _step_index=step.index,
-        _parent_id=row.parent_id,
-    )

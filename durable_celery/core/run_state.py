@@ -28,6 +28,8 @@ class RunState:
     _step_index: int = field(default=0, repr=False)
     _parent_id: str | None = field(default=None, repr=False)
     _calls: int = field(default=0, repr=False)
+    # An atomic step's open transaction (atomic.StepTransaction), while the step runs.
+    _transaction: Any = field(default=None, repr=False)
 
     @property
     def parent_id(self) -> str | None:

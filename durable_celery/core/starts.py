@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..capabilities import Capability
 from ..definition import SendEvent, Workflow, check_on_duplicate
 from ..inputs import check_input
+from . import atomic
 from .control import after_commit
 from .eager import run_eagerly
 from .keys import start_run
@@ -45,8 +46,8 @@ class Starter:
         data = check_input(input, rt.settings.max_input_bytes)
         run_key = wf.derive_key(data, key)
         policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate, wf)
-        if connection is None and self.ambient is not None:
-            connection = self.ambient()
+        if connection is None:  # inside an atomic step, or the caller's ambient transaction
+            connection = atomic.current() or (self.ambient() if self.ambient is not None else None)
         self._check(wf, run_key, policy, connection)
         run = new_run(rt.default_queue(), wf, data, run_key)
         rt.instrumentation.stamp_run(wf, run)  # the run's trace (tracing.py)
@@ -66,6 +67,8 @@ class Starter:
                 self.rt.require(Capability.EVENTS, "start", "on_duplicate=SendEvent", wf.name)
         if connection is not None:
             self.rt.require(Capability.TRANSACTIONS, "start", "connection=", wf.name)
+        if any(step.atomic for step in wf.steps):
+            self.rt.require(Capability.ATOMIC_STEPS, "start", "atomic steps (PostgreSQL only)", wf.name)
         for kind in ("concurrency", "throttle", "rate_limit"):
             if getattr(wf, kind) is not None:
                 self.rt.require(Capability.FLOW_CONTROL, "start", f"{kind}=", wf.name)

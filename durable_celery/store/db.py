@@ -30,6 +30,7 @@ from sqlalchemy import (
     event,
     func,
     literal_column,
+    text,
 )
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
@@ -239,6 +240,18 @@ class TimedQueuePool(QueuePool):
             self._opening.seconds = getattr(self._opening, "seconds", 0.0) + time.perf_counter() - began
 
 
+def limit_transaction_txn(conn: Connection, timeout: float | None, idle: float) -> None:
+    """PostgreSQL's statement_timeout (``timeout`` seconds, none when None) and
+    idle_in_transaction_session_timeout (``idle`` seconds), for this transaction only."""
+    conn.execute(
+        text(
+            "SELECT set_config('statement_timeout', :statement, true), "
+            "set_config('idle_in_transaction_session_timeout', :idle, true)"
+        ),
+        {"statement": f"{int(timeout * 1000)}ms" if timeout else "0", "idle": f"{int(idle * 1000)}ms"},
+    )
+
+
 class Database:
     """One engine per process; connections are held per statement, never across a step."""
 
@@ -383,6 +396,17 @@ class Database:
             conn.info["write"] = self.is_sqlite
             with conn.begin():
                 yield conn
+
+    @contextmanager
+    def step_transaction(self, timeout: float | None, idle: float) -> Iterator[Connection]:
+        """An atomic step's transaction (core/atomic.py): committed when the block ends, rolled
+        back when it raises. On PostgreSQL a statement stops at the step's ``timeout``, and a
+        session left idle in it for ``idle`` seconds (a frozen worker) is ended by the server,
+        its locks freed for whoever took the run over."""
+        with self.begin() as conn:
+            if self.is_postgres:
+                limit_transaction_txn(conn, timeout, idle)
+            yield conn
 
     @contextmanager
     def single(self) -> Iterator[Connection]:

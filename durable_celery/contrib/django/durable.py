@@ -29,7 +29,7 @@ from ...app import Durable
 from ...capabilities import Capability
 from ...core.runtime import Outbox
 from ...errors import InvalidArgument, NotConfigured, SchemaOutdated
-from ...store.db import Database, masked_url, schema_missing, short_reason
+from ...store.db import Database, limit_transaction_txn, masked_url, schema_missing, short_reason
 from .aliases import UNUSABLE_URL, AliasProblem, alias_url, migrate_fix, settings_dict
 
 DEFAULT_ALIAS = "default"
@@ -190,6 +190,17 @@ class DjangoDatabase(Database):
                 if name != self._settings_name:
                     self._follow(name)
         return Database.engine.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @contextmanager
+    def step_transaction(self, timeout: float | None, idle: float) -> Iterator[Connection]:
+        """An atomic step's transaction: ``transaction.atomic(using=alias)`` on this thread's
+        Django connection, so the step's ORM writes on the alias are in it, as is durable's
+        record of the step (written on the same connection)."""
+        from django.db import transaction
+
+        with transaction.atomic(using=self.alias), _lending_engine(self.alias).connect() as conn:
+            limit_transaction_txn(conn, timeout, idle)
+            yield conn
 
     def _follow(self, name: Any) -> None:
         if self._engine is not None:
