@@ -103,7 +103,10 @@ def test_memory_urls_are_fresh_stores_migrated_on_first_use(url):
     run_id = a.start("w", key="k")
     assert a.get_run(run_id).status == "pending"
     assert b.list_runs() == []  # each its own store
-    assert a.capabilities == Capability.ALL & ~Capability.SKIP_LOCKED & ~Capability.MULTI_PROCESS
+    assert (
+        a.capabilities
+        == Capability.ALL & ~Capability.SKIP_LOCKED & ~Capability.MULTI_PROCESS & ~Capability.ATOMIC_STEPS
+    )
 
 
 def test_named_memory_store_is_shared_in_the_process_and_a_fresh_one_goes_with_its_durable():
@@ -156,7 +159,7 @@ def test_memory_store_refuses_a_prefork_worker(tmp_path):
 def test_capabilities_of_each_backend(pg_url, tmp_path):
     assert Durable(memory_app(), pg_url).capabilities == Capability.ALL
     sqlite = Durable(memory_app(), f"sqlite:///{tmp_path}/file.sqlite3")
-    assert sqlite.capabilities == Capability.ALL & ~Capability.SKIP_LOCKED
+    assert sqlite.capabilities == Capability.ALL & ~Capability.SKIP_LOCKED & ~Capability.ATOMIC_STEPS
     assert Capability.MULTI_PROCESS in sqlite.capabilities
     fewer = Durable(memory_app(), pg_url, capabilities=Capability.ALL & ~Capability.EVENTS)
     assert Capability.EVENTS not in fewer.capabilities

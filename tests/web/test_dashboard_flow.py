@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import select
 from starlette.testclient import TestClient
 
+from durable_celery.observe.flow import clock_words
 from durable_celery.store.schema import runs
 from durable_celery.testing import wait_for, worker
 from durable_celery.web import create_app
@@ -101,7 +102,7 @@ def test_run_pages_say_which_limit_holds_them(parked: dict[str, Any]) -> None:
     due = _rows(d, [parked["throttled"]])[parked["throttled"]].due_at
     page = c.get(f"/runs/{parked['throttled']}")
     text = _text(page.text)
-    assert f"throttled until {due:%Y-%m-%d %H:%M:%S} UTC (2 per 60s for api:c1)" in text
+    assert f"throttled until {clock_words(due, d.db.utcnow())} (api:c1, 2 began in the last 60 s)" in text
     assert 'id="run-state">throttled<' in page.text
     assert "retry" not in _text(page.text.split('id="why"')[1].split("</section>")[0]).lower()
 

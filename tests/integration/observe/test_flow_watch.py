@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from durable_celery.errors import InvalidArgument
-from durable_celery.observe.flow import explain_wait, flow_report, limit_words, use_words
+from durable_celery.observe.flow import clock_words, explain_wait, flow_report, limit_words, use_words
 from durable_celery.store.flow_reads import run_flow
 from durable_celery.store.schema import runs
 from durable_celery.testing import wait_for, worker
@@ -164,7 +164,8 @@ def test_a_throttled_run_says_until_when_and_the_report_shows_the_window(durable
     text = explain_wait(durable.runtime, row)
     looks_again = row.due_at if row.due_at.tzinfo else row.due_at.replace(tzinfo=first_begun.tzinfo)
     assert 59 <= (looks_again - first_begun).total_seconds() <= 61, (looks_again, first_begun)
-    assert text == f"throttled until {looks_again:%Y-%m-%d %H:%M:%S} UTC (2 per 60s for api:c1)"
+    until = clock_words(looks_again, durable.db.utcnow())
+    assert text == f"throttled until {until} (api:c1, 2 began in the last 60 s)"
     assert due.status == "pending"
 
     entry = entry_of(flow_report(durable.runtime), "api")
