@@ -6,6 +6,7 @@ inside the step join its transaction. Real PostgreSQL and SQLite; the steps run 
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -263,3 +264,68 @@ def test_sqlite_refuses_a_start_of_a_workflow_with_atomic_steps_and_writes_nothi
         assert made.list_runs() == []
     finally:
         made.db.dispose()
+
+
+def test_heartbeats_of_a_long_atomic_step_go_on_while_its_transaction_is_open(durable: Any) -> None:
+    """The heartbeats write on durable's pool, not on the step's connection, and the step's
+    transaction does not touch the run's row until its record: nothing waits for the other."""
+    from durable_celery.store.schema import runs
+
+    pay = durable.workflow("pay")
+    beats: list[Any] = []
+
+    def heartbeat_at(run_id: str) -> Any:
+        with durable.db.engine.connect() as conn:  # another connection than the step's
+            return conn.execute(select(runs.c.heartbeat_at).where(runs.c.id == run_id)).scalar()
+
+    @pay.step(atomic=True)
+    def charge(amount: int) -> None:
+        _book(amount)
+        beats.append(heartbeat_at(current_run().id))
+        interval = durable.settings.heartbeat_interval
+        deadline = time.monotonic() + 4 * interval
+        while time.monotonic() < deadline:  # the heartbeat thread's beats land meanwhile
+            time.sleep(interval / 4)
+        current_run().heartbeat()  # and the step's own beat does not wait for its transaction
+        beats.append(heartbeat_at(current_run().id))
+
+    run_id = durable.start(pay, {"amount": 1})
+    assert durable.run_message("pay", 0, run_id) == "completed"
+    assert beats[1] > beats[0]
+    assert _entries(durable, run_id) == [(run_id, 1, "")]
+
+
+def test_a_steps_timeout_ends_its_transaction_even_in_a_blocked_statement(durable: Any) -> None:
+    """A statement stops at the step's timeout (statement_timeout of its transaction): the step
+    fails, its writes roll back, and its session no longer waits on the lock."""
+    from sqlalchemy import text
+
+    with durable.db.begin() as conn:
+        conn.execute(text("CREATE TABLE test_balance (id int PRIMARY KEY, total int)"))
+        conn.execute(text("INSERT INTO test_balance VALUES (1, 0)"))
+    pay = durable.workflow("pay")
+
+    @pay.step(atomic=True, timeout=1.0)
+    def charge(amount: int) -> None:
+        _book(amount)
+        current_run().connection.execute(
+            text("UPDATE test_balance SET total = total + :a WHERE id = 1"), {"a": 1}
+        )
+
+    run_id = durable.start(pay, {"amount": 1})
+    with durable.db.engine.connect() as holder:  # holds the balance row's lock past the timeout
+        holder.execute(text("SELECT total FROM test_balance WHERE id = 1 FOR UPDATE"))
+        began = time.monotonic()
+        assert durable.run_message("pay", 0, run_id) == "failed"
+        took = time.monotonic() - began
+        waiting = holder.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        ).scalar()
+        holder.rollback()
+    assert took < 10 and waiting == 0
+    (step,) = durable.list_steps(run_id)
+    assert step.status == "failed" and _entries(durable, run_id) == []
+    assert "timeout" in step.error["message"], step.error

@@ -114,3 +114,32 @@ def test_runs_keys_waits_and_children_work_through_a_transaction_mode_pgbouncer(
     assert [r.output for r in runs] == [n * 2 for n in range(12)]
     assert all(r.status == "completed" for r in runs)
     durable.db.dispose()
+
+
+def test_atomic_steps_write_once_through_a_transaction_mode_pgbouncer(bouncer_url, redis_client):
+    """Issue 40: an atomic step is one transaction on one server connection, which transaction
+    mode keeps for it: its writes and durable's record commit together, a failed try's roll back."""
+    from sqlalchemy import text
+
+    app = Celery("bounced_atomic", broker=REDIS_URL)
+    app.conf.task_default_queue = "q-bounced-atomic"
+    durable = Durable(app, bouncer_url, pgbouncer=True, pool_size=4, **FAST)
+    with durable.db.begin() as conn:
+        conn.execute(text("CREATE TABLE bounced_ledger (run_id text, n int)"))
+    wf = durable.workflow("bounced_atomic")
+
+    @wf.step(atomic=True, retry=2)
+    def book(n):
+        conn = current_run().connection
+        conn.execute(text("INSERT INTO bounced_ledger VALUES (:id, :n)"), {"id": current_run().id, "n": n})
+        if current_run().attempt == 1 and n % 2:
+            raise ConnectionError("once")  # its insert is rolled back
+
+    with worker(durable, concurrency=4):
+        ids = [durable.start(wf, {"n": n}) for n in range(12)]  # more runs than pooled servers
+        runs = [wait_for(durable, run_id, timeout=60) for run_id in ids]
+    assert all(r.status == "completed" for r in runs)
+    with durable.db.engine.connect() as conn:
+        rows = conn.execute(text("SELECT run_id, n FROM bounced_ledger ORDER BY n")).all()
+    assert [tuple(r) for r in rows] == [(run_id, n) for n, run_id in enumerate(ids)]
+    durable.db.dispose()
