@@ -147,3 +147,37 @@ def test_the_python_api_on_an_unmigrated_database_says_so_in_one_line(empty_url,
     durable.migrate()
     assert durable.list_runs() == []
     durable.db.dispose()
+
+
+@pytest.mark.parametrize("empty_url", ["postgres"], indirect=True)  # an invalid index is PostgreSQL's
+def test_a_flow_control_migration_cut_off_part_way_can_be_run_again(empty_url):
+    """0006 commits its columns, then builds its indexes CONCURRENTLY outside a transaction: a
+    build cut off (lock_timeout, docs/production.md) leaves the columns and an invalid index
+    behind, and the database at 0005. Migrating again finishes the job."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from durable_celery.store.migrate import alembic_config, pending_revisions
+
+    durable = Durable(Celery("cut", broker="memory://"), empty_url, upkeep=False)
+    command.upgrade(alembic_config(durable.db), "0005")
+    with durable.db.begin() as conn:  # what the failed try left: its columns, one invalid index
+        for name in ("slot_key", "throttle_key", "rate_key"):
+            conn.execute(text(f"ALTER TABLE durable_runs ADD COLUMN {name} varchar(255)"))
+        conn.execute(text("ALTER TABLE durable_runs ADD COLUMN flow_wait varchar(16)"))
+        conn.execute(text("CREATE INDEX ix_durable_runs_rate ON durable_runs (workflow, rate_key)"))
+        conn.execute(
+            text("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'ix_durable_runs_rate'::regclass")
+        )
+    assert pending_revisions(durable.db) == ["0006"]
+    durable.migrate()
+    assert pending_revisions(durable.db) == []
+    with durable.db.engine.connect() as conn:
+        valid, where = conn.execute(
+            text(
+                "SELECT i.indisvalid, pg_get_expr(i.indpred, i.indrelid) FROM pg_index i "
+                "JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = 'ix_durable_runs_rate'"
+            )
+        ).one()
+    assert valid and "rate_key IS NOT NULL" in where  # built anew, as the revision writes it
+    durable.db.dispose()

@@ -43,10 +43,16 @@ INDEXES = {
 
 
 def upgrade() -> None:
+    # Runnable again after a try that failed part-way (a build CONCURRENTLY cut off by
+    # lock_timeout): its columns were committed, and the failed build left an invalid index.
+    present = {column["name"] for column in sa.inspect(op.get_bind()).get_columns("durable_runs")}
     with op.batch_alter_table("durable_runs", schema=None) as batch_op:
         for name, length in COLUMNS:
-            batch_op.add_column(sa.Column(name, sa.String(length=length), nullable=True))
+            if name not in present:
+                batch_op.add_column(sa.Column(name, sa.String(length=length), nullable=True))
     with op.get_context().autocommit_block():
+        for name in _invalid_indexes():
+            op.drop_index(name, table_name="durable_runs", postgresql_concurrently=True, if_exists=True)
         for name, (columns, where) in INDEXES.items():
             op.create_index(
                 name,
@@ -58,6 +64,21 @@ def upgrade() -> None:
                 postgresql_concurrently=True,
                 if_not_exists=True,
             )
+
+
+def _invalid_indexes() -> list[str]:
+    """This revision's indexes a failed build CONCURRENTLY left invalid (PostgreSQL)."""
+    bind = op.get_bind()
+    if bind.dialect.name != "postgresql":
+        return []
+    found = bind.execute(
+        sa.text(
+            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE NOT i.indisvalid AND c.relname = ANY(:names)"
+        ),
+        {"names": list(INDEXES)},
+    )
+    return [row[0] for row in found]
 
 
 def downgrade() -> None:
