@@ -6,13 +6,14 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
 from . import schedules
 from .capabilities import Capability, of_backend
-from .core import control
+from .core import atomic, control
 from .core.engine import Engine
 from .core.runs import backoff
 from .core.runtime import Outbox, Runtime
@@ -85,6 +86,7 @@ class Durable:
         self.tasks = StepTasks(app, self.engine)
         self.starter = Starter(self.runtime, self.engine)
         self.registry.on_step = self.tasks.add
+        self.registry.check_step = partial(atomic.check_target, self.db)
         self.registry.starter = self.starter
         self.stats = Stats(self.runtime)
         if self.settings.stale_lock_timeout < 3 * self.settings.heartbeat_interval:

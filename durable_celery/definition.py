@@ -112,8 +112,9 @@ class Step:
     # Attempts a compensation gets, in all (its own count, apart from the step's).
     compensate_retry: int = 3
     # The step (and its compensation) runs inside a database transaction that commits with
-    # durable's record of it (core/atomic.py): its writes on that connection happen once.
-    atomic: bool = False
+    # durable's record of it (core/atomic.py): its writes on that connection happen once. True,
+    # or where the step writes (a Django alias, an Engine, a URL), which must be durable's database.
+    atomic: Any = False
     # What the step (and its compensation, or its parallel branches) take of the input.
     accepts: list[Accepts] = field(default_factory=list, repr=False)
 
@@ -189,7 +190,7 @@ class Workflow:
         timeout: float | None = None,
         backoff: float | None = None,
         compensate_retry: int = 3,
-        atomic: bool = False,
+        atomic: Any = False,
     ) -> Any:
         """Add the next step; use as ``@wf.step`` or ``@wf.step(retry=3, queue="slow")``.
 
@@ -221,7 +222,7 @@ class Workflow:
         timeout: float | None,
         backoff: float | None,
         compensate_retry: int = 3,
-        atomic: bool = False,
+        atomic: Any = False,
     ) -> None:
         if self.name is None:
             raise InvalidDefinition("name the workflow before adding steps")
@@ -251,13 +252,18 @@ class Workflow:
             workflow_name=self.name,
             accepts=accepts,
         )
+        registries = self._registries()
+        for registry in registries:
+            registry.check(step)
         self.steps.append(step)
+        for registry in registries:
+            registry.add_step(self, step)
+
+    def _registries(self) -> list[Registry]:
+        """The registries that know this workflow: its own, or every Durable's if it is shared."""
         if self.registry is not None:
-            self.registry.add_step(self, step)
-        elif self.shared:
-            for registry in list(_live):
-                if registry.workflows.get(self.name) is self:
-                    registry.add_step(self, step)
+            return [self.registry]
+        return [r for r in list(_live) if self.shared and r.workflows.get(self.name or "") is self]
 
     def parallel(
         self,
@@ -399,8 +405,11 @@ class Workflow:
 def _check_step_options(
     retry: Any, compensate: Any, compensate_retry: Any, timeout: Any, backoff: Any, atomic: Any = False
 ) -> None:
-    if not isinstance(atomic, bool):
-        raise InvalidDefinition(f"atomic is True or False, not {atomic!r}")
+    if atomic is None or isinstance(atomic, (int, float)) and not isinstance(atomic, bool):
+        raise InvalidDefinition(
+            "atomic is True, False, or where the step writes (a Django alias, an Engine, a URL), "
+            f"not {atomic!r}"
+        )
     for what, count in (("retry", retry), ("compensate_retry", compensate_retry)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise InvalidDefinition(f"{what} is the number of attempts in all, >= 1, not {count!r}")
@@ -449,6 +458,8 @@ class Registry:
     def __init__(self, on_step: Callable[[Workflow, Step], None] | None = None) -> None:
         self.workflows: dict[str, Workflow] = {}
         self.on_step = on_step
+        # Checks a step before it is added (the Durable's: an atomic step's database).
+        self.check_step: Callable[[Step], None] | None = None
         self.starter: Starter | None = None
         _live.add(self)
 
@@ -468,6 +479,8 @@ class Registry:
         existing = self.workflows.get(workflow.name)
         if existing is not None and existing is not workflow:
             raise InvalidDefinition(f"a workflow named {workflow.name!r} is already defined")
+        for step in workflow.steps:
+            self.check(step)
         self.workflows[workflow.name] = workflow
         for step in workflow.steps:
             self.add_step(workflow, step)
@@ -475,6 +488,11 @@ class Registry:
             if branch.name not in self.workflows:
                 branch.registry = workflow.registry
                 self.register(branch)
+
+    def check(self, step: Step) -> None:
+        """InvalidDefinition when this registry's Durable cannot run ``step`` as defined."""
+        if self.check_step is not None:
+            self.check_step(step)
 
     def add_step(self, workflow: Workflow, step: Step) -> None:
         """A step was added to one of these workflows: tell ``on_step``."""

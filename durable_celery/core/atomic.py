@@ -80,6 +80,25 @@ class StepTransaction:
                 log.exception("durable: after an atomic step's commit")
 
 
+def check_target(db: Any, step: Step) -> None:
+    """InvalidDefinition when an atomic step names where it writes and that is not durable's
+    database: its writes there could not commit with durable's record of it."""
+    where = step.atomic
+    if isinstance(where, bool) or db.same_database(where):
+        return
+    from ..errors import InvalidDefinition
+
+    shown = getattr(where, "url", None) or where
+    if not isinstance(shown, str):
+        shown = shown.render_as_string(hide_password=True)
+    raise InvalidDefinition(
+        f"step {step.name!r} of workflow {step.workflow_name!r} is atomic on {shown}, but an atomic step "
+        f"commits with durable's record on durable's database ({db.masked_url}); its writes on another "
+        "database would happen once per attempt: write on durable's database, or drop atomic= and make "
+        "the writes idempotent"
+    )
+
+
 def current() -> StepTransaction | None:
     """The transaction of the atomic step running in this thread, if any."""
     return _open.get()

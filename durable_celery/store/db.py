@@ -397,6 +397,23 @@ class Database:
             with conn.begin():
                 yield conn
 
+    def same_database(self, where: Any) -> bool:
+        """Is ``where`` (a SQLAlchemy Engine or Connection, or a URL) this database?"""
+        url = getattr(where, "url", None) or getattr(getattr(where, "engine", None), "url", None)
+        try:
+            theirs = url if url is not None else make_url(str(where))
+        except ArgumentError:
+            return False
+        ours = make_url(self.url)
+        if ours.get_backend_name() == "sqlite" or theirs.get_backend_name() == "sqlite":
+            return ours.database == theirs.database and theirs.get_backend_name() == ours.get_backend_name()
+        port = 5432
+        return (theirs.host or "localhost", theirs.port or port, theirs.database) == (
+            ours.host or "localhost",
+            ours.port or port,
+            ours.database,
+        )
+
     @contextmanager
     def step_transaction(self, timeout: float | None, idle: float) -> Iterator[Connection]:
         """An atomic step's transaction (core/atomic.py): committed when the block ends, rolled

@@ -79,3 +79,15 @@ def test_a_failed_atomic_step_rolls_back_its_orm_writes_and_records_the_failure(
     assert _shipments(order) == 0
     (step,) = durable.list_steps(run_id)
     assert step.status == "failed" and "the carrier hung up" in step.error["message"]
+
+
+def test_an_atomic_step_on_another_alias_is_refused_when_defined(durable: Any) -> None:
+    """Another alias is another connection, so another transaction, even on the same server."""
+    from durable_celery.errors import InvalidDefinition
+
+    wf = durable.workflow(f"ship_{uuid.uuid4().hex[:8]}")
+    wf.step(lambda order_id: None, name="on_default", atomic="default")
+    with pytest.raises(InvalidDefinition) as refused:
+        wf.step(lambda order_id: None, name="on_lite", atomic="lite")
+    assert "'on_lite'" in str(refused.value) and "atomic on lite" in str(refused.value)
+    assert [s.name for s in wf.steps] == ["on_default"]

@@ -191,6 +191,15 @@ class DjangoDatabase(Database):
                     self._follow(name)
         return Database.engine.fget(self)  # type: ignore[attr-defined,no-any-return]
 
+    def same_database(self, where: Any) -> bool:
+        """Is ``where`` this alias (a Django alias is another database, even on one server: its
+        writes go on another connection), or an Engine or URL of its database?"""
+        from django.conf import settings
+
+        if isinstance(where, str) and where in getattr(settings, "DATABASES", {}):
+            return where == self.alias
+        return super().same_database(where)
+
     @contextmanager
     def step_transaction(self, timeout: float | None, idle: float) -> Iterator[Connection]:
         """An atomic step's transaction: ``transaction.atomic(using=alias)`` on this thread's

@@ -329,3 +329,56 @@ def test_a_steps_timeout_ends_its_transaction_even_in_a_blocked_statement(durabl
     (step,) = durable.list_steps(run_id)
     assert step.status == "failed" and _entries(durable, run_id) == []
     assert "timeout" in step.error["message"], step.error
+
+
+def test_an_atomic_step_on_another_database_is_refused_when_defined(durable: Any) -> None:
+    pay = durable.workflow("pay")
+    pay.step(lambda amount: None, name="here", atomic=durable.db.engine)  # durable's own: fine
+    elsewhere = "postgresql://postgres@127.0.0.1:5432/the_shops_own_database"
+    with pytest.raises(InvalidDefinition) as refused:
+        pay.step(lambda amount: None, name="there", atomic=elsewhere)
+    message = str(refused.value)
+    assert "'there'" in message and "the_shops_own_database" in message and "\n" not in message
+    assert [s.name for s in pay.steps] == ["here"]  # nothing was added
+
+
+def test_a_concurrency_limited_atomic_step_frees_its_slot_on_commit_and_on_rollback(durable: Any) -> None:
+    pay = durable.workflow("pay", concurrency={"limit": 1, "key": "account:{account}"})
+
+    @pay.step(atomic=True)
+    def charge(account: int, amount: int) -> None:
+        _book(amount)
+        if amount < 0:
+            raise ValueError("a negative amount")  # rolled back: the slot is freed all the same
+
+    ids = [durable.start(pay, {"account": 1, "amount": a}) for a in (-1, 2, 3)]
+    with worker(durable, concurrency=2):
+        ended = [wait_for(durable, run_id, timeout=30) for run_id in ids]
+    assert [r.status for r in ended] == ["failed", "completed", "completed"]
+    assert sorted(a for _, a, _ in _entries(durable)) == [2, 3]
+
+
+def test_an_atomic_steps_compensation_is_atomic_too(durable: Any) -> None:
+    pay = durable.workflow("pay")
+    undo_tries: list[int] = []
+
+    def refund(amount: int) -> None:
+        undo_tries.append(1)
+        _book(-amount, f"refund {len(undo_tries)}")
+        if len(undo_tries) == 1:
+            raise ConnectionError("the bank hung up")  # this refund's write is rolled back
+
+    pay.step(lambda amount: _book(amount, "charge"), name="charge", atomic=True, compensate=refund)
+
+    @pay.step
+    def ship(amount: int) -> None:
+        raise ValueError("out of stock")
+
+    run_id = durable.start(pay, {"amount": 8})
+    assert durable.run_message("pay", 0, run_id) == "running"
+    assert durable.run_message("pay", 1, run_id) == "compensating"
+    assert durable.run_message("pay", 0, run_id, compensate=True) == "compensating"  # will retry
+    assert _entries(durable, run_id) == [(run_id, 8, "charge")]
+    _due_now(durable, run_id)
+    assert durable.run_message("pay", 0, run_id, compensate=True) == "compensated"
+    assert _entries(durable, run_id) == [(run_id, -8, "refund 2"), (run_id, 8, "charge")]
