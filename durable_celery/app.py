@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -13,7 +14,7 @@ from celery import Celery
 
 from . import schedules
 from .capabilities import Capability, of_backend
-from .core import atomic, control
+from .core import answers, atomic, control
 from .core.engine import Engine
 from .core.runs import backoff
 from .core.runtime import Outbox, Runtime
@@ -89,6 +90,7 @@ class Durable:
         self.registry.check_step = partial(atomic.check_target, self.db)
         self.registry.starter = self.starter
         self.stats = Stats(self.runtime)
+        self.answers = answers.Answers(self.db)  # callers waiting for runs to end (result)
         if self.settings.stale_lock_timeout < 3 * self.settings.heartbeat_interval:
             log.warning(
                 "durable: stale_lock_timeout (%ss) is under 3 x heartbeat_interval (%ss): "
@@ -210,6 +212,64 @@ class Durable:
         run is written in the caller's open transaction and goes out after their commit.
         """
         return self.starter.start(workflow, input, key=key, on_duplicate=on_duplicate, connection=connection)
+
+    def result(self, run_id: str, timeout: float | None = None) -> Any:
+        """Wait for run ``run_id`` to end and return its output; RunFailed, RunCancelled, or
+        ResultTimeout when ``timeout`` seconds pass first (the run goes on)."""
+        return answers.result(self.db, self.answers, run_id, timeout)
+
+    def execute(
+        self,
+        workflow: str | Workflow,
+        input: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        on_duplicate: str | SendEvent | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """``start``, then ``result``: a held key's holder answers with its own output."""
+        answers.refuse_inside_step("execute")
+        answers.check_timeout(timeout)
+        return self.result(self.start(workflow, input, key=key, on_duplicate=on_duplicate), timeout)
+
+    async def astart(
+        self,
+        workflow: str | Workflow,
+        input: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        on_duplicate: str | SendEvent | None = None,
+        connection: Any = None,
+    ) -> str:
+        """``start`` without blocking the event loop; ``connection``: an AsyncConnection or
+        AsyncSession whose open transaction the start joins."""
+        start = partial(self.start, workflow, input, key=key, on_duplicate=on_duplicate)
+        if connection is None:
+            return await asyncio.to_thread(start)
+        return await connection.run_sync(lambda sync: start(connection=sync))  # type: ignore[no-any-return]
+
+    async def aget_run(self, run_id: str) -> Run:
+        """``get_run`` without blocking the event loop."""
+        return await asyncio.to_thread(self.get_run, run_id)
+
+    async def aresult(self, run_id: str, timeout: float | None = None) -> Any:
+        """``result`` without blocking the event loop."""
+        return await answers.result_async(self.db, self.answers, run_id, timeout)
+
+    async def aexecute(
+        self,
+        workflow: str | Workflow,
+        input: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        on_duplicate: str | SendEvent | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """``execute`` without blocking the event loop."""
+        answers.refuse_inside_step("aexecute")
+        answers.check_timeout(timeout)
+        run_id = await self.astart(workflow, input, key=key, on_duplicate=on_duplicate)
+        return await self.aresult(run_id, timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message this process queued to publish is sent (or flagged for the

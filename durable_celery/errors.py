@@ -194,6 +194,45 @@ class ChildFailed(DurableError):
         super().__init__(f"child run {child_id} ended {status}: {reason}")
 
 
+class RunFailed(DurableError):
+    """``result`` of a run that ended without its output: failed (after its retries),
+    compensated or compensation_failed; ``error_type`` and ``error_message`` are its error's."""
+
+    def __init__(self, run_id: str, status: str, error: dict[str, object] | None) -> None:
+        self.run_id, self.status = run_id, status
+        self.error_type = str((error or {}).get("type") or status)
+        self.error_message = str((error or {}).get("message") or "")
+        super().__init__(f"run {run_id} ended {status}: {self.error_type}: {self.error_message}")
+
+    def __reduce__(self) -> tuple[type[RunFailed], tuple[str, str, dict[str, object]]]:
+        return (
+            type(self),
+            (self.run_id, self.status, {"type": self.error_type, "message": self.error_message}),
+        )
+
+
+class RunCancelled(DurableError):
+    """``result`` of a run that was cancelled (``reason``: its error's message, if any)."""
+
+    def __init__(self, run_id: str, reason: str = "") -> None:
+        self.run_id, self.reason = run_id, reason
+        super().__init__(f"run {run_id} was cancelled" + (f": {reason}" if reason else ""))
+
+    def __reduce__(self) -> tuple[type[RunCancelled], tuple[str, str]]:
+        return (type(self), (self.run_id, self.reason))
+
+
+class ResultTimeout(DurableError, TimeoutError):
+    """``result`` waited ``timeout`` seconds and the run had not ended; the run goes on."""
+
+    def __init__(self, run_id: str, timeout: float, status: str) -> None:
+        self.run_id, self.timeout, self.status = run_id, timeout, status
+        super().__init__(f"run {run_id} is still {status} after {timeout}s (it goes on)")
+
+    def __reduce__(self) -> tuple[type[ResultTimeout], tuple[str, float, str]]:
+        return (type(self), (self.run_id, self.timeout, self.status))
+
+
 class WorkerLost(DurableError):
     """The process running a step died (killed, out of memory): the attempt is used."""
 
@@ -227,6 +266,9 @@ __all__ = [
     "RunStopped",
     "StepTimeout",
     "ChildFailed",
+    "RunFailed",
+    "RunCancelled",
+    "ResultTimeout",
     "WorkerLost",
     "Terminated",
     "EventTimeout",

@@ -1,0 +1,209 @@
+"""Answers for callers (issue 41): ``result`` and ``execute`` wait for a run's end and give its
+output, or say how it ended; the async twins keep the event loop free. Real PostgreSQL, Redis
+and a Celery worker in the process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import delete, event
+
+from durable_celery import (
+    DurableError,
+    InvalidArgument,
+    ResultTimeout,
+    RunCancelled,
+    RunFailed,
+    RunNotFound,
+    current_run,
+)
+from durable_celery.store.schema import runs
+from durable_celery.testing import worker
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(params=["postgres"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _define(durable: Any) -> None:
+    pay = durable.workflow("pay", key="pay:{order}")
+
+    @pay.step(retry=2, backoff=0.1)
+    def charge(order: int, amount: int) -> dict[str, int]:
+        if amount < 0:
+            raise ValueError(f"a negative amount: {amount}")
+        if amount == 0:
+            current_run().wait_for_event("go")
+        return {"order": order, "charged": amount}
+
+
+def test_result_and_execute_give_the_output_of_a_completed_run(durable: Any) -> None:
+    _define(durable)
+    with worker(durable):
+        run_id = durable.start("pay", {"order": 1, "amount": 5})
+        assert durable.result(run_id, timeout=30) == {"order": 1, "charged": 5}
+        assert durable.execute("pay", {"order": 2, "amount": 7}, timeout=30) == {"order": 2, "charged": 7}
+
+
+def test_a_failed_run_raises_run_failed_with_its_error(durable: Any) -> None:
+    _define(durable)
+    with worker(durable):
+        run_id = durable.start("pay", {"order": 3, "amount": -1})
+        with pytest.raises(RunFailed) as failed:
+            durable.result(run_id, timeout=30)
+    assert failed.value.run_id == run_id and failed.value.status == "failed"
+    assert failed.value.error_type == "ValueError" and "a negative amount: -1" in failed.value.error_message
+
+
+def test_a_cancelled_run_raises_run_cancelled_and_a_timeout_leaves_the_run_going(durable: Any) -> None:
+    _define(durable)
+    with worker(durable):
+        run_id = durable.start("pay", {"order": 4, "amount": 0})  # waits for an event
+        with pytest.raises(ResultTimeout) as late:
+            durable.result(run_id, timeout=0.5)
+        assert isinstance(late.value, TimeoutError) and isinstance(late.value, DurableError)
+        assert durable.get_run(run_id).status in ("pending", "running", "waiting")
+        threading.Timer(0.3, durable.cancel, (run_id,)).start()
+        with pytest.raises(RunCancelled) as cancelled:
+            durable.result(run_id, timeout=30)
+    assert cancelled.value.run_id == run_id
+
+
+def test_a_held_key_answers_execute_with_the_holders_output(durable: Any) -> None:
+    _define(durable)
+    with worker(durable):
+        holder = durable.start("pay", {"order": 5, "amount": 0})
+        got: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(durable.execute("pay", {"order": 5, "amount": 9}, timeout=30))
+        )
+        waiter.start()
+        time.sleep(0.3)
+        assert got == []  # the repeat waits for the holder, which waits for its event
+        durable.send_event(holder, "go", buffer=True)
+        waiter.join(30)
+    assert got == [{"order": 5, "charged": 0}]
+
+
+def test_unknown_and_pruned_runs_raise_run_not_found_not_a_hang(durable: Any) -> None:
+    _define(durable)
+    with pytest.raises(RunNotFound):
+        durable.result("no-such-run", timeout=1)
+    run_id = durable.start("pay", {"order": 6, "amount": 0})  # no worker: it stays pending
+
+    def prune() -> None:
+        with durable.db.begin() as conn:
+            conn.execute(delete(runs).where(runs.c.id == run_id))
+
+    threading.Timer(0.2, prune).start()
+    with pytest.raises(RunNotFound):
+        durable.result(run_id, timeout=30)
+
+
+def test_waiting_inside_a_step_is_refused(durable: Any) -> None:
+    _define(durable)
+    waits = durable.workflow("waits")
+    said: list[str] = []
+
+    @waits.step
+    def inner() -> None:
+        with pytest.raises(InvalidArgument) as refused:
+            durable.execute("pay", {"order": 7, "amount": 1})
+        said.append(str(refused.value))
+
+    durable.run_message("waits", 0, durable.start(waits))
+    assert "call_workflow" in said[0] and durable.list_runs(workflow="pay") == []
+
+
+def test_a_thousand_waiters_cost_one_statement_per_look(durable: Any) -> None:
+    """Every run waited on in the process is looked at in one statement per poll."""
+    _define(durable)
+    ids = [durable.start("pay", {"order": 1000 + n, "amount": 0}) for n in range(1000)]
+    looks: list[float] = []
+
+    def count(*_: Any) -> None:
+        if threading.current_thread().name == "durable-answers":
+            looks.append(time.monotonic())
+
+    event.listen(durable.db.engine, "before_cursor_execute", count)
+    try:
+        waiters = [threading.Thread(target=_wait_briefly, args=(durable, run_id)) for run_id in ids]
+        for thread in waiters:
+            thread.start()
+        for thread in waiters:
+            thread.join(60)
+    finally:
+        event.remove(durable.db.engine, "before_cursor_execute", count)
+    span = max(looks) - min(looks)
+    assert len(looks) <= span / durable.answers.poll * 1.2 + 5, (len(looks), span)
+    assert durable.answers.waiting() == 0
+
+
+def _wait_briefly(durable: Any, run_id: str) -> None:
+    with pytest.raises(ResultTimeout):
+        durable.result(run_id, timeout=1.0)
+
+
+def test_the_async_twins_keep_the_event_loop_free(durable: Any) -> None:
+    _define(durable)
+
+    async def main() -> tuple[Any, Any, int, str]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticking = asyncio.create_task(tick())
+        run_id = await durable.astart("pay", {"order": 8, "amount": 0})
+        waiting = asyncio.create_task(durable.aresult(run_id, timeout=30))
+        await asyncio.sleep(0.5)
+        before = ticks
+        await asyncio.to_thread(durable.send_event, run_id, "go", None, True)
+        out = await waiting
+        run = await durable.aget_run(run_id)
+        other = await durable.aexecute("pay", {"order": 9, "amount": 3}, timeout=30)
+        ticking.cancel()
+        return out, other, before, run.status
+
+    with worker(durable):
+        out, other, ticks, status = asyncio.run(main())
+    assert out == {"order": 8, "charged": 0} and status == "completed"
+    assert other == {"order": 9, "charged": 3}
+    assert ticks >= 20  # the loop ran on while aresult waited
+
+
+def test_astart_joins_an_async_session_or_connection_and_its_rollback(durable: Any, pg_url: str) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    _define(durable)
+    engine = create_async_engine(pg_url.replace("postgresql://", "postgresql+psycopg_async://"))
+
+    async def main() -> tuple[str, str, list[Any]]:
+        async with AsyncSession(engine) as session, session.begin():
+            in_session = await durable.astart("pay", {"order": 10, "amount": 2}, connection=session)
+        async with engine.connect() as conn:
+            await conn.begin()
+            in_conn = await durable.astart("pay", {"order": 11, "amount": 3}, connection=conn)
+            await conn.commit()
+        async with engine.connect() as conn:
+            await conn.begin()
+            await durable.astart("pay", {"order": 12, "amount": 4}, connection=conn)
+            await conn.rollback()  # the run and its key claim go with it
+        await engine.dispose()
+        return in_session, in_conn, await asyncio.to_thread(durable.list_runs, "pay", "pay:12")
+
+    in_session, in_conn, rolled_back = asyncio.run(main())
+    assert rolled_back == []
+    with worker(durable):
+        assert durable.result(in_session, timeout=30) == {"order": 10, "charged": 2}
+        assert durable.result(in_conn, timeout=30) == {"order": 11, "charged": 3}
