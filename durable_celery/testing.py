@@ -191,9 +191,13 @@ def wait_for(
         run = durable.get_run(run_id)
         if run.status in statuses:
             return run
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left < 0:
             raise TimeoutError(_not_reached(durable, run, statuses, timeout))
-        time.sleep(0.05)
+        if set(statuses) <= set(FINISHED):  # an end: waited for as ``result`` waits
+            durable.answers.wait(run_id, left)
+        else:
+            time.sleep(0.05)
 
 
 def _not_reached(durable: Durable, run: Run, statuses: tuple[str, ...], timeout: float) -> str:
@@ -272,6 +276,7 @@ class Fake(Durable):
             raise InvalidArgument(f"a Fake keeps its runs in a memory:// store, not {store!r}")
         super().__init__(app, store, capabilities=capabilities, **settings)
         self.inline = True
+        self._running = False  # running() runs steps in the background meanwhile
         self.clock = FakeClock(start_time)
         self.db.clock = self.clock
 
@@ -296,6 +301,15 @@ class Fake(Durable):
         """Run every due step, and the upkeep sweeps, until nothing is due; returns the steps run."""
         return run_due(self.engine, max_steps=max_steps)
 
+    def result(self, run_id: str, timeout: float | None = None) -> Any:
+        """The run's output once it ended (``run_until_idle`` runs it): nothing runs its steps
+        meanwhile outside ``running()``, so an unfinished run raises ResultTimeout at once."""
+        return super().result(run_id, timeout if self._running else 0)
+
+    async def aresult(self, run_id: str, timeout: float | None = None) -> Any:
+        """``result`` for an event loop."""
+        return await super().aresult(run_id, timeout if self._running else 0)
+
     @contextmanager
     def running(self, poll: float = 0.01) -> Iterator[Fake]:
         """Run due steps in a background thread, like a worker, while the block runs; the
@@ -312,6 +326,7 @@ class Fake(Durable):
                     return
 
         self.clock.follow_real_time(True)
+        self._running = True
         # Steps in one thread; the sweeps (workflow timeouts...) beside them, as upkeep does.
         threads = [
             threading.Thread(target=loop, args=(work,), name=f"durable-fake-{name}", daemon=True)
@@ -328,6 +343,7 @@ class Fake(Durable):
             stop.set()
             for thread in threads:
                 thread.join(60)
+            self._running = False
             self.clock.follow_real_time(False)
         if failed:
             raise failed[0]

@@ -22,7 +22,7 @@ from durable_celery import (
     current_run,
 )
 from durable_celery.store.schema import runs
-from durable_celery.testing import worker
+from durable_celery.testing import wait_for, worker
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -207,3 +207,73 @@ def test_astart_joins_an_async_session_or_connection_and_its_rollback(durable: A
     with worker(durable):
         assert durable.result(in_session, timeout=30) == {"order": 10, "charged": 2}
         assert durable.result(in_conn, timeout=30) == {"order": 11, "charged": 3}
+
+
+def test_a_fake_answers_once_run_until_idle_ran_the_run_and_eager_mode_at_once() -> None:
+    from celery import Celery
+
+    from durable_celery import Durable
+    from durable_celery.testing import Fake
+
+    fake = Fake()
+    try:
+        _define(fake)
+        run_id = fake.start("pay", {"order": 1, "amount": 2})
+        with pytest.raises(ResultTimeout):  # nothing runs its steps until the test says so
+            fake.result(run_id, timeout=30)
+        fake.run_until_idle()
+        assert fake.result(run_id) == {"order": 1, "charged": 2}
+        with fake.running():  # steps run in the background: result waits as on a worker
+            assert fake.execute("pay", {"order": 2, "amount": 3}, timeout=30) == {"order": 2, "charged": 3}
+    finally:
+        fake.close()
+    app = Celery("eager", broker="memory://", set_as_current=False)
+    app.conf.task_always_eager = True
+    eager = Durable(app, "memory://")
+    try:
+        _define(eager)
+        assert eager.execute("pay", {"order": 3, "amount": 4}, timeout=5) == {"order": 3, "charged": 4}
+    finally:
+        eager.db.dispose()
+
+
+def test_a_debounced_start_is_answered_by_the_run_that_finally_runs(durable: Any) -> None:
+    wf = durable.workflow("bounce", key="b:{n}", debounce={"period": 0.3, "timeout": 5})
+    wf.step(lambda n, v: v, name="echo")
+    with worker(durable):
+        first = durable.start(wf, {"n": 1, "v": 1})
+        assert durable.start(wf, {"n": 1, "v": 2}) == first  # folded into the waiting run
+        assert durable.result(first, timeout=30) == 2  # the newest input ran
+
+
+@pytest.mark.parametrize("ending", ["compensated", "run_again"])
+def test_every_ending_is_answered(durable: Any, ending: str) -> None:
+    if ending == "compensated":
+        wf = durable.workflow("undo")
+        wf.step(lambda n: None, name="book", compensate=lambda n: None)
+
+        @wf.step
+        def ship(n: int) -> None:
+            raise ValueError("out of stock")
+
+        with worker(durable), pytest.raises(RunFailed) as failed:
+            durable.execute(wf, {"n": 1}, timeout=30)
+        assert failed.value.status == "compensated" and failed.value.error_type == "ValueError"
+        return
+    wf = durable.workflow("again", key="k:{n}", on_duplicate="run_again")
+
+    @wf.step
+    def echo(n: int, v: int) -> int:
+        if v == 1:
+            current_run().wait_for_event("go")
+        return v
+
+    first = durable.start(wf, {"n": 1, "v": 1})
+    with worker(durable):
+        wait_for(durable, first, statuses=("waiting",))  # claimed: a later start queues behind it
+        again = durable.start(wf, {"n": 1, "v": 2})  # queued behind it, with the newest input
+        assert again != first
+        durable.send_event(first, "go", buffer=True)
+        # A waiter on the old run gets the old run's output; the run behind it, its own.
+        assert durable.result(first, timeout=30) == 1
+        assert durable.result(again, timeout=30) == 2
