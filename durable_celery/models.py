@@ -36,6 +36,8 @@ class Run:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    # What the running step last said of its progress (current_run().set_progress), or None.
+    progress: Any = None
 
     @property
     def finished(self) -> bool:

@@ -462,6 +462,11 @@ class TestRun(RunContext):
         """Noted in ``calls``; nothing else."""
         self._note("heartbeat")
 
+    def set_progress(self, value: Any) -> None:
+        """Noted (``calls``), and kept as ``progress``: no database here."""
+        self._note("set_progress", value=value)
+        self.progress = value
+
     def wait_for_event(self, name: str, timeout: float | None = None, timeout_value: Any = None) -> Any:
         """The payload given in ``events=``, else raises WaitingForEvent."""
         self._require(Capability.EVENTS | Capability.WAITS, "wait_for_event", "waiting for an event")

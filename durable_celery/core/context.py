@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 _current: ContextVar[RunContext | None] = ContextVar("durable_current_run", default=None)
 
+PROGRESS_BYTES = 4096  # the most JSON set_progress keeps
+
 
 @dataclass
 class RunContext(RunState):
@@ -47,6 +49,24 @@ class RunContext(RunState):
         the step and commits both; the step does not commit it."""
         self.connection  # noqa: B018  (InvalidArgument outside an atomic step)
         return self._transaction.session()  # type: ignore[no-any-return]
+
+    def set_progress(self, value: Any) -> None:
+        """Tell callers how far the step got: JSON of at most 4 KB, shown by ``get_run(id).progress``,
+        the dashboard and the admin until the next call; InvalidArgument for anything else."""
+        import json
+
+        from ..errors import InvalidArgument
+        from ..store import answer_rows
+
+        try:
+            size = len(json.dumps(value, allow_nan=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"set_progress takes JSON (a dict, list, str, number): {exc}") from None
+        if size > PROGRESS_BYTES:
+            raise InvalidArgument(f"set_progress takes at most {PROGRESS_BYTES} bytes of JSON, not {size}")
+        db = self._active.engine.db
+        with db.single() as conn:
+            answer_rows.set_progress(conn, self.id, self._active.fence, value)
 
     def shutting_down(self) -> bool:
         """True once this worker is shutting down: a long step may stop early and ``snooze``

@@ -145,6 +145,8 @@ runs = Table(
     Column("throttle_key", String(255)),
     Column("rate_key", String(255)),
     Column("flow_wait", String(16)),
+    # What the running step last said of its progress (current_run().set_progress): small JSON.
+    Column("progress", Json),
     Column("created_at", Timestamp, nullable=False),
     Column("started_at", Timestamp),
     Column("finished_at", Timestamp),

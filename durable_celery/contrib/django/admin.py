@@ -339,7 +339,10 @@ class DurableRunAdmin(ReadOnlyAdmin):
     fieldsets = (
         (None, {"fields": ("id", "workflow", "status", "key", "holds_key", "error_text")}),
         ("Data", {"fields": ("input_json", "context_json", "output_json")}),
-        ("Progress", {"fields": ("step_index", "step_name", "attempt", "queue", "wait_name", "wait_until")}),
+        (
+            "Progress",
+            {"fields": ("progress_json", "step_index", "step_name", "attempt", "queue", "wait_name", "wait_until")},
+        ),
         ("Times", {"fields": ("created", "started", "finished", "queued", "running", "total", "deadline")}),
         ("Relations", {"fields": ("parent", "parent_ref", "runs_after")}),
         (
@@ -376,6 +379,7 @@ class DurableRunAdmin(ReadOnlyAdmin):
     input_json = _column("input", "input", _json)
     context_json = _column("context", "context", _json)
     output_json = _column("output", "output", _json)
+    progress_json = _column("progress", "progress", _json)
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         """The run's fields; its dashboard link first when ``CELERY_DURABLE_DASHBOARD_URL`` is set."""

@@ -157,6 +157,7 @@ class DurableRun(ReadOnlyModel):
     throttle_key = models.CharField(max_length=255, null=True)
     rate_key = models.CharField(max_length=255, null=True)
     flow_wait = models.CharField(max_length=16, null=True)
+    progress = models.JSONField(null=True)
     created_at = models.DateTimeField("created")
     started_at = models.DateTimeField("started", null=True)
     finished_at = models.DateTimeField("finished", null=True)

@@ -277,3 +277,35 @@ def test_every_ending_is_answered(durable: Any, ending: str) -> None:
         # A waiter on the old run gets the old run's output; the run behind it, its own.
         assert durable.result(first, timeout=30) == 1
         assert durable.result(again, timeout=30) == 2
+
+
+def test_a_steps_progress_is_kept_on_its_run_and_shown(durable: Any) -> None:
+    from starlette.testclient import TestClient
+
+    from durable_celery.web import create_app
+    from tests.integration.core.helpers import take_over_run
+
+    report = durable.workflow("report")
+
+    @report.step
+    def build(pages: int) -> int:
+        current_run().set_progress({"done": 3, "of": pages})
+        with pytest.raises(InvalidArgument):
+            current_run().set_progress({"not json": object()})
+        with pytest.raises(InvalidArgument):
+            current_run().set_progress("x" * 5000)
+        if pages == 2:  # taken over: what it says now is not kept
+            take_over_run(durable, current_run().id, "fenced")
+            current_run().set_progress({"done": 99, "of": pages})
+            return 0
+        current_run().wait_for_event("go")
+        return pages
+
+    run_id = durable.start(report, {"pages": 10})
+    assert durable.run_message("report", 0, run_id) == "waiting"
+    assert durable.get_run(run_id).progress == {"done": 3, "of": 10}
+    page = TestClient(create_app(durable)).get(f"/runs/{run_id}").text
+    assert 'id="progress"' in page and "&#34;of&#34;: 10" in page.replace("&quot;", "&#34;")
+    fenced = durable.start(report, {"pages": 2})
+    assert durable.run_message("report", 0, fenced) == "fenced"
+    assert durable.get_run(fenced).progress == {"done": 3, "of": 2}
