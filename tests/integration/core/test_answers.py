@@ -309,3 +309,25 @@ def test_a_steps_progress_is_kept_on_its_run_and_shown(durable: Any) -> None:
     fenced = durable.start(report, {"pages": 2})
     assert durable.run_message("report", 0, fenced) == "fenced"
     assert durable.get_run(fenced).progress == {"done": 3, "of": 2}
+
+
+def test_a_run_held_by_flow_control_is_answered_once_it_ran(durable: Any) -> None:
+    wf = durable.workflow("limited", concurrency={"limit": 1, "key": "acct:{acct}"})
+    inside, go = threading.Event(), threading.Event()
+
+    @wf.step
+    def work(acct: int, n: int) -> int:
+        if n == 1:  # holds the key's one slot until the test lets it go
+            inside.set()
+            assert go.wait(30)
+        return n
+
+    with worker(durable, concurrency=2):
+        first = durable.start(wf, {"acct": 1, "n": 1})
+        assert inside.wait(30)
+        second = durable.start(wf, {"acct": 1, "n": 2})  # parked until the first's slot frees
+        with pytest.raises(ResultTimeout):
+            durable.result(second, timeout=0.5)
+        go.set()
+        assert durable.result(second, timeout=30) == 2
+        assert durable.result(first, timeout=30) == 1
