@@ -18,7 +18,7 @@ from durable_celery.contrib.django.testing import DurableTransactionTestCase, re
 from durable_celery.testing import wait_for, worker
 
 from . import payments
-from .models import Order
+from .models import Order, Shipment
 
 ORDER = {"item": "mug", "quantity": "2", "payment_token": "tok_visa"}
 
@@ -71,10 +71,43 @@ class PlaceOrderTests(ShopTestCase):
 
         self.assertEqual(run.status, "completed", run.error)
         # The steps read the order through the ORM: the request had committed before they ran.
-        self.assertEqual(run.output, {"order": order_pk, "picked": "2 x mug", "tracking": f"TRK-{order_pk}"})
+        shipped = {"tracking": f"TRK-{order_pk}", "capture": f"CAP-{order_pk}"}
+        self.assertEqual(run.output, {"order": order_pk, "picked": "2 x mug", **shipped})
         self.assertTrue(Order.objects.get(pk=order_pk).fulfilled)
+        self.assertEqual(Shipment.objects.filter(order=order_pk).count(), 1)
         detail = self.client.get(f"/orders/{order_pk}/").json()
         self.assertEqual((detail["fulfilled"], detail["run_status"]), (True, "completed"))
+
+
+class ShipTests(ShopTestCase):
+    """``ship`` is atomic: a try that fails after its writes keeps none of them."""
+
+    def test_a_ship_try_that_fails_after_writing_keeps_nothing_and_the_retry_ships_once(self) -> None:
+        placed = self.client.post("/orders/", ORDER).json()
+        order_pk, run_id = placed["order"], placed["run"]
+        keys: list[str] = []
+        capture = payments.capture
+
+        def answer_lost(order: Order, idempotency_key: str) -> str:
+            """The first capture is taken, but its answer never reaches the shop."""
+            keys.append(idempotency_key)
+            captured = capture(order, idempotency_key)
+            if len(keys) == 1:
+                raise TimeoutError("the payment provider did not answer")
+            return captured
+
+        with mock.patch.object(payments, "capture", answer_lost), worker(self.durable):
+            run = wait_for(self.durable, run_id, timeout=30)
+
+        self.assertEqual(run.status, "completed", run.error)
+        steps = [(step.name, step.attempt, step.status) for step in self.durable.list_steps(run_id)]
+        self.assertEqual(steps, [("pick", 1, "completed"), ("ship", 1, "failed"), ("ship", 2, "completed")])
+        # The failed try had created a shipment and marked the order: both were rolled back.
+        self.assertEqual(Shipment.objects.filter(order=order_pk).count(), 1)
+        # Both tries called the provider, with one key: it captured once.
+        self.assertEqual(keys, [f"capture:{run_id}"] * 2)
+        order = Order.objects.get(pk=order_pk)
+        self.assertEqual((order.fulfilled, order.capture), (True, f"CAP-{order_pk}"))
 
 
 class FailedRequestTests(ShopTestCase):

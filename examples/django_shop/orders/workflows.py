@@ -2,15 +2,18 @@
 
 A step runs in a Celery worker, on the worker's own Django connection, after the request that
 started the run committed: the message leaves on commit, so the order is always there to read.
-A step may run more than once (a retry, a redelivery): ``ship`` checks before it writes.
+A step may be tried more than once (a retry, a worker killed mid-step, a run taken over after a
+stale lock). ``ship`` is atomic: its ORM writes commit together with durable's record of the
+step, so they happen once per run however often it is tried, and it writes without checking
+first. Only its call to the payment provider, outside the transaction, needs care.
 """
 
-from django.db import transaction
 from durable_celery import current_run
 
 from shop_project.celery import durable
 
-from .models import Order
+from . import payments
+from .models import Order, Shipment
 
 fulfil = durable.workflow("fulfil", reuse="never")  # one fulfilment per order, ever
 
@@ -22,13 +25,20 @@ def pick(order_id: int) -> None:
     current_run().context["picked"] = f"{order.quantity} x {order.item}"
 
 
-@fulfil.step(retry=3, backoff=1.0)
+@fulfil.step(retry=3, backoff=1.0, atomic=True)
 def ship(order_id: int) -> dict[str, object]:
-    """Mark the order fulfilled with a tracking number, once; the run's output."""
-    with transaction.atomic():
-        order = Order.objects.select_for_update().get(pk=order_id)
-        if not order.fulfilled:
-            order.fulfilled = True
-            order.tracking = f"TRK-{order.pk}"
-            order.save(update_fields=["fulfilled", "tracking"])
-    return {"order": order.pk, "picked": current_run().context["picked"], "tracking": order.tracking}
+    """Ship the order: its shipment, the order fulfilled, its payment captured; the run's output."""
+    order = Order.objects.get(pk=order_id)
+    shipment = Shipment.objects.create(order=order, tracking=f"TRK-{order.pk}")
+    # The provider is not in this step's transaction: a try that rolled back (it raised, or its
+    # worker was killed) may have captured already. The same key on every try makes the
+    # provider answer a repeat with the first capture instead of taking the money twice.
+    order.capture = payments.capture(order, idempotency_key=f"capture:{current_run().id}")
+    order.fulfilled, order.tracking = True, shipment.tracking
+    order.save(update_fields=["fulfilled", "tracking", "capture"])
+    return {
+        "order": order.pk,
+        "picked": current_run().context["picked"],
+        "tracking": order.tracking,
+        "capture": order.capture,
+    }
