@@ -62,6 +62,12 @@ BENCHES = (
         ("--parked", "1000", "--other-keys", "100", "--claims", "200", "--starts", "100", "--rounds", "2"),
     ),
     Bench(
+        "atomic",
+        "an atomic step against a plain one: statements and round trips per step, runs/s",
+        (),
+        ("-n", "200", "--rounds", "1", "--count", "40"),
+    ),
+    Bench(
         "pool",
         "the pool-size table: runs/s and pool waits at pool_size 5/10/20/50",
         (),
@@ -97,7 +103,7 @@ def run(bench: Bench, quick: bool) -> tuple[int, list[str]]:
 )
 @click.option("--quick", is_flag=True, help="Small sizes: checks that every bench runs, not the targets.")
 def main(only: str, quick: bool) -> None:
-    """Every bench in turn (prefork, keys, prune, claims, flow, pool), then their reports together."""
+    """Every bench in turn (prefork, keys, prune, claims, flow, atomic, pool), then their reports together."""
     chosen = [name.strip() for name in only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(NAMES))
     if unknown:
