@@ -73,6 +73,12 @@ BENCHES = (
         (),
         ("--runs", "60", "--rounds", "1"),
     ),
+    Bench(
+        "answers",
+        "waiting for answers: statements while 1 and 1,000 callers wait, a run's end to result()",
+        (),
+        ("--waiters", "1,100", "--window", "1", "--runs", "60"),
+    ),
 )
 NAMES = tuple(bench.name for bench in BENCHES)
 
