@@ -62,9 +62,10 @@ class StepTransaction:
         return made
 
     def flush(self) -> None:
-        """Write what the step's sessions still hold, before durable's record of the step."""
+        """Write what the step's sessions still hold, before durable's record of the step, and
+        release their savepoints (closing a session later rolls back to its savepoint)."""
         for session in self._sessions:
-            session.flush()
+            session.commit()
 
     def close(self) -> None:
         """Close the step's sessions (their objects stay readable, detached)."""
