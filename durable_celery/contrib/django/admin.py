@@ -338,11 +338,8 @@ class DurableRunAdmin(ReadOnlyAdmin):
     actions = ("cancel_runs", "retry_runs", "rerun_runs", "release_keys")
     fieldsets = (
         (None, {"fields": ("id", "workflow", "status", "key", "holds_key", "error_text")}),
-        ("Data", {"fields": ("input_json", "context_json", "output_json")}),
-        (
-            "Progress",
-            {"fields": ("progress_json", "step_index", "step_name", "attempt", "queue", "wait_name", "wait_until")},
-        ),
+        ("Data", {"fields": ("input_json", "context_json", "output_json", "progress_json")}),
+        ("Progress", {"fields": ("step_index", "step_name", "attempt", "queue", "wait_name", "wait_until")}),
         ("Times", {"fields": ("created", "started", "finished", "queued", "running", "total", "deadline")}),
         ("Relations", {"fields": ("parent", "parent_ref", "runs_after")}),
         (
