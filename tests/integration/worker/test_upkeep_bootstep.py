@@ -98,8 +98,17 @@ def test_a_worker_runs_upkeep_from_its_start_until_it_stops(make_durable):
 # -- what a worker refuses to start with --------------------------------------------------------
 
 
+def _said_once(capfd, line: str) -> None:
+    """The refusal reached the terminal once: printed, or as the worker's log record when its log
+    already goes there (a worker redirects sys.stderr to its log, so the line goes to fd 2)."""
+    said = capfd.readouterr()
+    assert said.out == ""
+    assert said.err.count(line) == 1, said.err
+    assert said.err.endswith(line + "\n")
+
+
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
-def test_a_forking_pool_is_refused_only_on_a_one_process_store(make_durable, capsys, pool):
+def test_a_forking_pool_is_refused_only_on_a_one_process_store(make_durable, capfd, pool):
     import uuid
 
     from celery import Celery
@@ -115,11 +124,10 @@ def test_a_forking_pool_is_refused_only_on_a_one_process_store(make_durable, cap
             with pytest.raises(WorkerShutdown) as refused:
                 upkeep.refuse_forking_pool(memory.runtime, worker)
             assert refused.value.args == (1,)  # the worker's exit code
-            said = capsys.readouterr()
-            assert said.out == ""
-            assert said.err == (
+            _said_once(
+                capfd,
                 f"durable: the {memory.db.masked_url} store is one process only (missing MULTI_PROCESS): "
-                "start this worker with --pool threads (or solo), or give Durable a database URL\n"
+                "start this worker with --pool threads (or solo), or give Durable a database URL",
             )
         else:
             upkeep.refuse_forking_pool(memory.runtime, worker)
@@ -146,7 +154,7 @@ def test_the_worker_bootstep_refuses_a_forking_pool_on_a_one_process_store():
         memory.db.dispose()
 
 
-def test_a_worker_without_a_database_url_it_can_use_exits_saying_why(capsys):
+def test_a_worker_without_a_database_url_it_can_use_exits_saying_why(capfd):
     from celery import Celery
     from celery.exceptions import WorkerShutdown
 
@@ -156,12 +164,11 @@ def test_a_worker_without_a_database_url_it_can_use_exits_saying_why(capsys):
     with pytest.raises(WorkerShutdown) as refused:
         upkeep.refuse_old_schema(durable.runtime)
     assert refused.value.args == (1,)  # the worker's exit code
-    said = capsys.readouterr()
-    assert (said.out, said.err) == ("", f"durable: {durable.db.bad_url}\n")
+    _said_once(capfd, f"durable: {durable.db.bad_url}")
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])  # the schema check is the same on both
-def test_a_worker_on_an_old_schema_exits_naming_every_pending_revision(tmp_path, capsys, backend):
+def test_a_worker_on_an_old_schema_exits_naming_every_pending_revision(tmp_path, capfd, backend):
     from alembic import command
     from celery import Celery
     from celery.exceptions import WorkerShutdown
@@ -178,11 +185,10 @@ def test_a_worker_on_an_old_schema_exits_naming_every_pending_revision(tmp_path,
         with pytest.raises(WorkerShutdown) as refused:
             upkeep.refuse_old_schema(durable.runtime)
         assert refused.value.args == (1,)
-        said = capsys.readouterr()
-        assert said.out == ""
-        assert said.err == (
+        _said_once(
+            capfd,
             f"durable: the database schema is behind this code (pending revisions: {', '.join(pending)}); "
-            f"run `celery -A {app_argument()} durable migrate`, then start this worker again\n"
+            f"run `celery -A {app_argument()} durable migrate`, then start this worker again",
         )
     finally:
         durable.db.dispose()
