@@ -50,6 +50,14 @@ SHOP_TESTS = [
     "test_an_error_after_the_start_rolls_the_run_back_and_sends_nothing",
     "test_a_bad_form_starts_nothing",
     "test_connections_stay_bounded_over_many_runs_and_none_is_left_behind",
+    # POST /payments/, keyed by its Idempotency-Key (issue 41)
+    "test_a_payment_is_201_and_a_repeat_gets_the_same_run_and_result",
+    "test_the_same_key_with_another_body_is_409_and_the_first_body_still_gets_its_answer",
+    "test_no_key_or_a_bad_body_is_400_and_starts_nothing",
+    "test_a_declined_payment_is_402_and_stays_so_for_its_key",
+    "test_a_slow_payment_is_202_and_a_repeat_after_it_completed_is_201_with_the_same_run",
+    "test_two_requests_racing_with_one_key_make_one_run_and_both_name_it",
+    "test_two_requests_racing_with_one_key_and_two_bodies_one_run_and_the_other_is_409",
 ]
 
 
