@@ -97,10 +97,10 @@ def label(sql: str) -> str:
     flat = _SPACE.sub(" ", sql).strip()
     upper = flat.upper()
     verb = upper.split(" ", 1)[0] if upper else "?"
+    if verb == "BEGIN" and "SET LOCAL" in upper:
+        return "BEGIN; SET LOCAL statement_timeout, idle_in_transaction_session_timeout"
     if verb in TX_COMMANDS:
         return verb
-    if "SET_CONFIG(" in upper:
-        return "SELECT set_config(statement_timeout, idle_in_transaction_session_timeout)"
     if upper == "SELECT 1":
         return "SELECT 1 (pool ping)"
     writes = [f"{w.split()[0]} {t.lower()}" for w, t in _WRITES.findall(upper)]
@@ -289,7 +289,7 @@ class Tally:
         if idle and not driver.autocommit:
             self._add("BEGIN")  # psycopg sends it before the statement
         what = label(statement)
-        self._add(what, commits=idle and driver.autocommit and what != "BEGIN")
+        self._add(what, commits=idle and driver.autocommit and not what.startswith("BEGIN"))
 
     def _ending(self, conn: Connection, command: str) -> None:
         driver: Any = conn.connection.dbapi_connection

@@ -132,7 +132,9 @@ class StepWrites:
         settled, finishing = None, status in ENDED
         # The key row is locked before the run row, the order every transaction keeps.
         key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
-        written = queries.record_step_txn(self.db, conn, row.id, row.fence, run_values, step_row, go_on)
+        # One statement on PostgreSQL (an atomic step's transaction is in store/direct.py's reach).
+        record = queries.record_step if self.db.is_postgres else queries.record_step_txn
+        written = record(self.db, conn, row.id, row.fence, run_values, step_row, go_on)
         fence_now = None if written is not None else queries.run_fence(conn, row.id)
         if written is not None and key_row is not None:
             settled = settle_waiting_txn(self.rt, conn, key_row, status, workflow)

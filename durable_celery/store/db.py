@@ -30,7 +30,6 @@ from sqlalchemy import (
     event,
     func,
     literal_column,
-    text,
 )
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
@@ -240,16 +239,20 @@ class TimedQueuePool(QueuePool):
             self._opening.seconds = getattr(self._opening, "seconds", 0.0) + time.perf_counter() - began
 
 
-def limit_transaction_txn(conn: Connection, timeout: float | None, idle: float) -> None:
+def transaction_limits_sql(timeout: float | None, idle: float) -> str:
     """PostgreSQL's statement_timeout (``timeout`` seconds, none when None) and
-    idle_in_transaction_session_timeout (``idle`` seconds), for this transaction only."""
-    conn.execute(
-        text(
-            "SELECT set_config('statement_timeout', :statement, true), "
-            "set_config('idle_in_transaction_session_timeout', :idle, true)"
-        ),
-        {"statement": f"{int(timeout * 1000)}ms" if timeout else "0", "idle": f"{int(idle * 1000)}ms"},
+    idle_in_transaction_session_timeout (``idle`` seconds), for the open transaction only."""
+    statement = f"{int(timeout * 1000)}ms" if timeout else "0"
+    return (
+        f"SET LOCAL statement_timeout = '{statement}'; "
+        f"SET LOCAL idle_in_transaction_session_timeout = '{int(idle * 1000)}ms'"
     )
+
+
+def limit_transaction_txn(conn: Connection, timeout: float | None, idle: float) -> None:
+    """:func:`transaction_limits_sql` in the transaction ``conn`` has open (begun by someone
+    else: Django's ``atomic()``)."""
+    conn.exec_driver_sql(transaction_limits_sql(timeout, idle))
 
 
 class Database:
@@ -420,10 +423,24 @@ class Database:
         back when it raises. On PostgreSQL a statement stops at the step's ``timeout``, and a
         session left idle in it for ``idle`` seconds (a frozen worker) is ended by the server,
         its locks freed for whoever took the run over."""
-        with self.begin() as conn:
-            if self.is_postgres:
-                limit_transaction_txn(conn, timeout, idle)
-            yield conn
+        if not self.is_postgres:
+            with self.begin() as conn:
+                yield conn
+            return
+        with self.engine.connect() as conn:
+            # psycopg in autocommit sends no BEGIN of its own: ours goes with the limits, in one
+            # round trip. Its commit() and rollback() still end the transaction the server has
+            # open, and durable's record takes store/direct.py's path on this connection.
+            driver: Any = conn.connection.dbapi_connection
+            driver.autocommit = True
+            try:
+                with conn.begin():
+                    # READ COMMITTED as the engine's own transactions (whatever the server's default).
+                    limits = transaction_limits_sql(timeout, idle)
+                    conn.exec_driver_sql(f"BEGIN ISOLATION LEVEL READ COMMITTED; {limits}")
+                    yield conn
+            finally:
+                _end_autocommit(conn)
 
     @contextmanager
     def single(self) -> Iterator[Connection]:

@@ -332,6 +332,69 @@ def test_a_steps_timeout_ends_its_transaction_even_in_a_blocked_statement(durabl
     assert "timeout" in step.error["message"], step.error
 
 
+def test_an_atomic_steps_limits_go_with_its_begin_and_end_with_its_transaction(durable: Any) -> None:
+    """The step's transaction opens with its limits in one query, READ COMMITTED whatever the
+    database's default; its record is one statement before the COMMIT; and the connection goes
+    back to the pool with the database's own settings."""
+    from contextlib import ExitStack
+
+    from sqlalchemy import event, text
+
+    show = (
+        "SELECT pg_backend_pid(), current_setting('transaction_isolation'), setting FROM pg_settings"
+        " WHERE name IN ('statement_timeout', 'idle_in_transaction_session_timeout') ORDER BY name DESC"
+    )
+    with durable.db.begin() as conn:  # this test's own database
+        name = durable.db.engine.url.database
+        conn.execute(text(f"ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"))
+    durable.db.engine.dispose()  # new connections take the database's default
+    pay = durable.workflow("pay")
+
+    @pay.step(atomic=True, timeout=2.5)
+    def charge(amount: int) -> list[list[Any]]:
+        _book(amount)
+        return [list(row) for row in current_run().connection.execute(text(show))]
+
+    seen: list[str] = []
+
+    def statement(conn: Any, cursor: Any, sql: str, *_: Any) -> None:
+        seen.append(" ".join(sql.split()[:2]))
+
+    def commit(conn: Any) -> None:
+        seen.append("COMMIT")
+
+    run_id = durable.start(pay, {"amount": 3})
+    event.listen(durable.db.engine, "before_cursor_execute", statement)
+    event.listen(durable.db.engine, "commit", commit)
+    try:
+        assert durable.run_message("pay", 0, run_id) == "completed"
+    finally:
+        event.remove(durable.db.engine, "before_cursor_execute", statement)
+        event.remove(durable.db.engine, "commit", commit)
+    (pid, isolation, statement_ms), (_, _, idle_ms) = durable.get_run(run_id).output
+    assert (isolation, statement_ms, idle_ms) == (
+        "read committed",
+        "2500",
+        str(int(durable.runtime.settings.stale_lock_timeout * 1000)),
+    )
+    assert seen[seen.index("BEGIN ISOLATION") :] == [
+        "BEGIN ISOLATION",
+        "INSERT INTO",
+        "SELECT pg_backend_pid(),",
+        "WITH recorded",
+        "COMMIT",
+    ]
+    with ExitStack() as held:  # the pool's connections until the step's own
+        for _ in range(2 * durable.db.engine.pool.size()):
+            conn = held.enter_context(durable.db.engine.connect())
+            rows = conn.execute(text(show.replace("setting FROM", "setting, reset_val FROM"))).all()
+            if rows[0][0] == pid:
+                assert [(row[2], row[3]) for row in rows] == [(row[3], row[3]) for row in rows]
+                break
+        else:
+            pytest.fail("the step's connection was not in the pool")
+
+
 def test_an_atomic_step_on_another_database_is_refused_when_defined(durable: Any) -> None:
     pay = durable.workflow("pay")
     pay.step(lambda amount: None, name="here", atomic=durable.db.engine)  # durable's own: fine

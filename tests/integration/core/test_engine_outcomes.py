@@ -225,9 +225,9 @@ def test_a_steps_record_is_one_statement_unless_its_end_settles_a_key_or_a_paren
         ("plain", 0): one,
         ("plain", 1): one,
         ("keyed", 0): one,
-        ("keyed", 1): ["UPDATE", "SELECT", "UPDATE", "INSERT"],  # the key row first, then the record
+        ("keyed", 1): ["UPDATE", "SELECT", "WITH"],  # the key row first, then the record
         ("child", 0): one,
-        ("child", 1): ["UPDATE", "UPDATE", "INSERT", "UPDATE"],  # the record, then the parent
+        ("child", 1): ["UPDATE", "WITH", "UPDATE"],  # the record, then the parent
     }
     assert {durable.get_run(r).status for r in (plain, keyed, child)} == {"completed"}
 
