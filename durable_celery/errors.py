@@ -55,10 +55,21 @@ class UnknownWorkflow(InvalidStart):
 
 
 class KeyTaken(DurableError):
-    """The key is held by another run; ``holder_id`` names it."""
+    """The key is held by another run; ``holder_id`` names it. A start refused by
+    ``on_duplicate="error"`` also says whether its input differs from the holder's
+    (``input_changed``, JSON equality) and the holder's ``holder_status``; None elsewhere."""
 
-    def __init__(self, holder_id: str, message: str | None = None) -> None:
+    def __init__(
+        self,
+        holder_id: str,
+        message: str | None = None,
+        *,
+        input_changed: bool | None = None,
+        holder_status: str | None = None,
+    ) -> None:
         self.holder_id = holder_id
+        self.input_changed = input_changed
+        self.holder_status = holder_status
         super().__init__(message or f"key is held by run {holder_id}")
 
 

@@ -4,9 +4,10 @@
 ``Idempotency-Key`` (``astart``) and waits a few seconds for its answer (``aresult``): 201 with
 the charge, or 202 with the run's id while it still goes (``GET /payments/{run_id}`` polls). A
 repeat with the same key and body gets the same answer, even while the first request's run still
-goes: the start returns the key's holder (``on_duplicate="use_existing"``). The same key with
-another body gets 409; no key, 400. The event loop stays free while requests wait: the waits are
-futures settled by durable's one answers thread, the database work runs in threads.
+goes: the start is refused with the key's holder (``on_duplicate="error"``, ``KeyTaken``), whose
+``input_changed`` tells a repeat from another request with the same key, which gets 409; no key,
+400. The event loop stays free while requests wait: the waits are futures settled by durable's
+one answers thread, the database work runs in threads.
 
 ``create_app(durable)`` builds the web app for a ``Durable`` whose ``payments`` workflow
 ``define_payments(durable)`` defined; in production that is a module both the web processes
@@ -31,6 +32,7 @@ from pydantic import BaseModel, Field
 from durable_celery import (
     Durable,
     InvalidKey,
+    KeyTaken,
     ResultTimeout,
     Run,
     RunCancelled,
@@ -106,20 +108,17 @@ async def pay(
         return JSONResponse({"error": "an Idempotency-Key header is required"}, status_code=400)
     body = payment.model_dump()
     try:
-        run_id = await durable.astart(WORKFLOW, body, key=idempotency_key, on_duplicate="use_existing")
+        # The key's row decides, inside the start's transaction: of requests racing with one key,
+        # one makes the run; every other is refused, told the holder and whether its body differs
+        # from the holder's input (JSON equality), for a holder still going or ended alike.
+        run_id = await durable.astart(WORKFLOW, body, key=idempotency_key, on_duplicate="error")
+    except KeyTaken as taken:
+        if taken.input_changed:
+            message = f"Idempotency-Key {idempotency_key} was used with another request"
+            return JSONResponse({"error": message, "run": taken.holder_id}, status_code=409)
+        run_id = taken.holder_id  # the same request again: the first one's answer
     except InvalidKey as exc:  # longer than 255 bytes, say
         return JSONResponse({"error": f"Idempotency-Key: {exc}"}, status_code=400)
-    # A key already held answers with its holder's id, whatever this request's body. Is it the
-    # same request? The holder's input says: use_existing never changes it, so one read by id
-    # compares it with this body, race-free, and also for a holder that has ended. (The
-    # key_duplicate activity entry's input_changed says the same, but nothing ties an entry to
-    # this request when two repeats arrive at once, and a start that made the run leaves none.)
-    # The body went through the model, so its values have the model's types and == is JSON's
-    # equality here.
-    run = await durable.aget_run(run_id)
-    if run.input != body:
-        message = f"Idempotency-Key {idempotency_key} was used with another request"
-        return JSONResponse({"error": message, "run": run_id}, status_code=409)
     return await answer(durable, run_id, request.app.state.wait, done=201)
 
 

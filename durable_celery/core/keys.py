@@ -132,9 +132,10 @@ class KeyDecision:
 
     def _refuse(self, holder: Any) -> Decision:
         self._record_duplicate(holder, "error")
+        changed = not same_json(holder.input, self.run["input"])
         return Decision(
             holder.holder_id,
-            error=KeyTaken(holder.holder_id),
+            error=KeyTaken(holder.holder_id, input_changed=changed, holder_status=holder.status),
             notices=[self._dup_notice(holder, "error")],
         )
 

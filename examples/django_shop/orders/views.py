@@ -20,7 +20,7 @@ from django.shortcuts import get_object_or_404
 from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
-from durable_celery import InvalidKey, ResultTimeout, Run, RunCancelled, RunFailed, RunNotFound
+from durable_celery import InvalidKey, KeyTaken, ResultTimeout, Run, RunCancelled, RunFailed, RunNotFound
 
 from shop_project.celery import durable
 
@@ -106,19 +106,18 @@ def create_payment(request: HttpRequest) -> JsonResponse:
     if body is None:
         return JsonResponse({"error": "the body is not a payment", "errors": errors}, status=400)
     try:
-        # A key already held answers with its holder's id, whatever this request's body: the
-        # database decides, so of two requests racing with one key, one makes the run and both
-        # get its id. (A real API scopes the key by its client: key=f"{client}:{key}".)
-        run_id = payment.start(body, key=key, on_duplicate="use_existing")
+        # The key's row decides, inside the start's transaction: of two requests racing with one
+        # key, one makes the run; the other is refused, told the holder and whether its body
+        # differs from the holder's input (JSON equality), for a holder still going or ended
+        # alike. (A real API scopes the key by its client: key=f"{client}:{key}".)
+        run_id = payment.start(body, key=key, on_duplicate="error")
+    except KeyTaken as taken:
+        if taken.input_changed:
+            message = f"Idempotency-Key {key!r} was already used with another payment"
+            return JsonResponse({"error": message, "run_id": taken.holder_id}, status=409)
+        run_id = taken.holder_id  # the same payment again: the first request's answer
     except InvalidKey as exc:  # longer than 255 bytes, say
         return JsonResponse({"error": f"Idempotency-Key: {exc}"}, status=400)
-    # Is it the same payment? use_existing never changes the holder's input, so one read compares
-    # it with this body, race-free, and also for a holder that has ended. (Durable's key_duplicate
-    # activity entry has input_changed too, but nothing ties an entry to this request, and a start
-    # that made the run leaves none.) Both went through JSON and payment_errors: == is JSON's equality.
-    if durable.get_run(run_id).input != body:
-        message = f"Idempotency-Key {key!r} was already used with another payment"
-        return JsonResponse({"error": message, "run_id": run_id}, status=409)
     return payment_answer(run_id, float(getattr(settings, "PAYMENT_WAIT", 3.0)), done=201)
 
 

@@ -331,3 +331,43 @@ def test_a_run_held_by_flow_control_is_answered_once_it_ran(durable: Any) -> Non
         go.set()
         assert durable.result(second, timeout=30) == 2
         assert durable.result(first, timeout=30) == 1
+
+
+def test_racing_starts_refused_by_a_key_say_whether_their_input_differs(durable: Any) -> None:
+    """Idempotent requests: of starts racing with one key (``on_duplicate="error"``), one makes
+    the run; every other is refused with ``KeyTaken`` naming it, its ``input_changed`` telling
+    whether its input differs from the holder's (JSON equality: key order does not count)."""
+    from durable_celery import KeyTaken
+
+    wf = durable.workflow("charge", reuse="never")
+    wf.step(lambda amount, currency: amount, name="charge")
+    bodies = [
+        {"amount": 5, "currency": "EUR"},
+        {"currency": "EUR", "amount": 5},
+        {"amount": 6, "currency": "EUR"},
+    ]
+    racers = 9
+    gate = threading.Barrier(racers)
+    said: list[tuple[int, Any]] = []
+
+    def start(i: int) -> None:
+        gate.wait()
+        try:
+            said.append((i, durable.start(wf, bodies[i % 3], key="idem-1", on_duplicate="error")))
+        except KeyTaken as taken:
+            said.append((i, taken))
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    made = [(i, value) for i, value in said if isinstance(value, str)]
+    assert len(said) == racers and len(made) == 1
+    winner, run_id = made[0]
+    assert [r.id for r in durable.list_runs()] == [run_id]
+    holder_input = durable.get_run(run_id).input
+    for i, value in said:
+        if i != winner:
+            assert value.holder_id == run_id and value.holder_status == "pending"
+            assert value.input_changed is (bodies[i % 3] != holder_input), (i, bodies[i % 3], holder_input)
