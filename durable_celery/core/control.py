@@ -8,13 +8,11 @@ from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import update
-
 from .. import signals
 from ..errors import InvalidArgument, KeyContended, KeyTaken, NoKey, NotFinished, RunNotFound
 from ..inputs import check_input
-from ..store import activity_rows, child_rows, event_rows, key_rows, queries
-from ..store.schema import FINISHED, UNFINISHED, runs
+from ..store import activity_rows, child_rows, control_rows, event_rows, key_rows, queries
+from ..store.schema import FINISHED, UNFINISHED
 from . import atomic
 from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees, start_run
 from .runs import new_run
@@ -100,24 +98,8 @@ def retry(rt: Runtime, run_id: str, by: str | None = None, origin: str | None = 
             raise InvalidArgument(f"only failed runs can be retried; run {run_id} is {run.status}")
         workflow = rt.registry.resolve(run.workflow)
         retaken, previous = _retake_key_txn(rt, conn, workflow, run) if run.key is not None else (False, None)
-        resumed = conn.execute(
-            update(runs)
-            .where(runs.c.id == run_id, runs.c.status == "failed")
-            .values(
-                status="running" if run.started_at else "pending",
-                attempt=run.attempt + 1,
-                attempt_base=run.attempt,
-                deadline_at=None,
-                losses=0,
-                error=None,
-                finished_at=None,
-                due_at=db.now(),
-                published=True,
-                wait_name=None,  # the step starts afresh: no wait of the failed attempt is resumed
-                wait_until=None,
-            )
-        )
-        if resumed.rowcount != 1:  # pruned or retried meanwhile: roll back the key taken above
+        resumed = control_rows.resume_failed_txn(db, conn, run_id, run.started_at is not None, run.attempt)
+        if not resumed:  # pruned or retried meanwhile: roll back the key taken above
             _run(conn, run_id)  # RunNotFound when it was pruned
             raise NotFinished(f"run {run_id} was retried meanwhile")
         details = {"by": by, "from": origin, "step": run.step_name, "attempt": run.attempt + 1}

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sqlalchemy import or_
-
 from ..errors import DurableError
 from ..store import queries
-from ..store.schema import runs
 from .flow import wake_slots_once
 from .sweeps import cancel_orphans_once, fail_overdue_once, wake_missed_once
 
@@ -38,10 +35,8 @@ def run_due(engine: Engine, *, only: list[str] | None = None, max_steps: int = M
     ran = 0
     while True:
         swept = sweep(rt) if tracked is None else 0
-        where = () if tracked is None else (or_(runs.c.id.in_(tracked), runs.c.parent_id.in_(tracked)),)
         with rt.db.engine.connect() as conn:
-            known = runs.c.workflow.in_(list(rt.registry.workflows))
-            due = queries.due_now(rt.db, conn, BATCH, known, *where)
+            due = queries.due_now(rt.db, conn, BATCH, list(rt.registry.workflows), tracked)
         if not due and not swept:
             return ran
         for row in due:

@@ -12,14 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, case, update
+from sqlalchemy import Connection
 
 from .. import signals
 from ..definition import SendEvent, Workflow
 from ..errors import DurableError, KeyContended, KeyTaken
 from ..inputs import same_json
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
-from ..store.schema import UNFINISHED, runs
+from ..store.schema import UNFINISHED
 from .flow import admit_start_txn
 
 if TYPE_CHECKING:
@@ -191,9 +191,7 @@ class KeyDecision:
         if unclaimed and self._take_input(holder, debounce=False):
             return self._answer(holder, "run_again")
         if holder.waiting_id is not None:
-            self.conn.execute(
-                update(runs).where(runs.c.id == holder.waiting_id).values(input=self.run["input"])
-            )
+            key_rows.give_input_txn(self.conn, holder.waiting_id, self.run["input"])
             decision = self._answer(holder, "run_again", runs_after=holder.waiting_id)
             decision.run_id = holder.waiting_id
             return decision
@@ -220,21 +218,8 @@ class KeyDecision:
 
     def _take_input(self, holder: Any, *, debounce: bool) -> bool:
         """Give an unclaimed holder the newer input (restarting a debounce); False if claimed."""
-        values: dict[str, Any] = {"input": self.run["input"]}
-        if debounce:
-            assert self.workflow.debounce is not None
-            wanted = self.db.later(self.workflow.debounce["period"])
-            values["due_at"] = case(
-                (runs.c.not_after.is_not(None) & (runs.c.not_after < wanted), runs.c.not_after),
-                else_=wanted,
-            )
-            values["published"] = False
-        query = (
-            update(runs)
-            .where(runs.c.id == holder.holder_id, runs.c.status == "pending", runs.c.started_at.is_(None))
-            .values(**values)
-        )
-        return bool(self.conn.execute(query).rowcount == 1)
+        period = self.workflow.debounce["period"] if debounce and self.workflow.debounce else None
+        return key_rows.take_input_txn(self.db, self.conn, holder.holder_id, self.run["input"], period)
 
     # -- records ----------------------------------------------------------------------------
 
@@ -290,11 +275,7 @@ def settle_waiting_txn(
     reuse = workflow.reuse if workflow is not None else "after_close"
     if reuse_frees(reuse, status):
         key_rows.hand_key_txn(db, conn, key_row.workflow, key_row.key, waiting_id)
-        conn.execute(
-            update(runs)
-            .where(runs.c.id == waiting_id, runs.c.status == "waiting")
-            .values(status="pending", due_at=db.now(), published=True)
-        )
+        key_rows.let_waiting_run_go_txn(db, conn, waiting_id)
         activity_rows.record_txn(
             db,
             conn,

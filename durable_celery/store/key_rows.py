@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     Connection,
     bindparam,
+    case,
     delete,
     func,
     insert,
@@ -230,3 +231,36 @@ def count_keys_by_holder(conn: Connection, workflow: str | None) -> Sequence[Any
     if workflow is not None:
         query = query.where(keys.c.workflow == workflow)
     return conn.execute(query).all()
+
+
+def give_input_txn(conn: Connection, run_id: str, data: Any) -> None:
+    """The run (waiting behind a key's holder) runs with ``data``, the newest start's input."""
+    conn.execute(update(runs).where(runs.c.id == run_id).values(input=data))
+
+
+def take_input_txn(db: Database, conn: Connection, run_id: str, data: Any, debounce: float | None) -> bool:
+    """An unclaimed pending holder takes the newer input (``debounce``: and is due that many
+    seconds from now, never past its ``not_after``, its message to be sent again then); False
+    if it was claimed meanwhile."""
+    values: dict[str, Any] = {"input": data}
+    if debounce is not None:
+        wanted = db.later(debounce)
+        values["due_at"] = case(
+            (runs.c.not_after.is_not(None) & (runs.c.not_after < wanted), runs.c.not_after), else_=wanted
+        )
+        values["published"] = False
+    query = (
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.status == "pending", runs.c.started_at.is_(None))
+        .values(**values)
+    )
+    return bool(conn.execute(query).rowcount == 1)
+
+
+def let_waiting_run_go_txn(db: Database, conn: Connection, run_id: str) -> None:
+    """The run waiting behind a finished holder took its key: it is due now (its message sent)."""
+    conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.status == "waiting")
+        .values(status="pending", due_at=db.now(), published=True)
+    )

@@ -5,7 +5,7 @@ Functions named ``*_txn`` run inside the caller's transaction (``conn``); the ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -352,12 +352,20 @@ def cancel_run_txn(
     return bool(conn.execute(query).rowcount == 1)
 
 
-def relay_candidates(db: Database, conn: Connection, relay_after: float, *where: Any) -> Sequence[Any]:
-    """Per queue with a run due for a re-send: how many of its runs are sent and unclaimed."""
+def _of_known(known: Sequence[str]) -> tuple[Any, Any]:
+    """Runs of workflows this process knows, in queues that are not paused (theirs wait)."""
+    return runs.c.workflow.in_(known), ~paused_exists()
+
+
+def relay_candidates(
+    db: Database, conn: Connection, relay_after: float, known: Sequence[str]
+) -> Sequence[Any]:
+    """Per queue with a run due for a re-send: how many of its runs (of ``known`` workflows,
+    in queues not paused) are sent and unclaimed."""
     sent = and_(runs.c.published.is_(True), runs.c.locked_by.is_(None), runs.c.due_at <= db.now())
     query = (
         select(runs.c.queue, func.count().label("unclaimed"))
-        .where(sent, runs.c.status.in_(RELAYED), *where)
+        .where(sent, runs.c.status.in_(RELAYED), *_of_known(known))
         .group_by(runs.c.queue)
         .having(func.max(case((_resend_due(db, relay_after), 1), else_=0)) == 1)
     )
@@ -372,11 +380,11 @@ def _resend_due(db: Database, relay_after: float) -> Any:
 
 
 def take_due_runs_txn(
-    db: Database, conn: Connection, relay_after: float, limit: int, *where: Any
+    db: Database, conn: Connection, relay_after: float, limit: int, known: Sequence[str]
 ) -> Sequence[Any]:
-    """Runs needing a message: due and never sent, or sent and due for a re-send (``resend``
-    tells which). Rows other nodes hold are skipped; the caller marks what it did with
-    :func:`mark_relayed_txn` in the same transaction."""
+    """Runs of ``known`` workflows in queues not paused needing a message: due and never sent,
+    or sent and due for a re-send (``resend`` tells which). Rows other nodes hold are skipped;
+    the caller marks what it did with :func:`mark_relayed_txn` in the same transaction."""
     due = and_(runs.c.due_at.is_not(None), runs.c.locked_by.is_(None))
     never_sent = and_(runs.c.published.is_(False), runs.c.due_at <= db.now())
     query = (
@@ -392,7 +400,9 @@ def take_due_runs_txn(
             runs.c.resends,
             runs.c.published.label("resend"),
         )
-        .where(due, or_(never_sent, _resend_due(db, relay_after)), runs.c.status.in_(RELAYED), *where)
+        .where(
+            due, or_(never_sent, _resend_due(db, relay_after)), runs.c.status.in_(RELAYED), *_of_known(known)
+        )
         .order_by(runs.c.due_at, runs.c.id)
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -560,16 +570,20 @@ def fail_unclaimed_txn(
     return bool(conn.execute(query).rowcount == 1)
 
 
-def due_now(db: Database, conn: Connection, limit: int, *where: Any) -> Sequence[Any]:
-    """Unlocked runs due now in a queue that is not paused, oldest due first: what a step
-    runner in the calling thread (testing.Fake, eager mode) takes next."""
+def due_now(
+    db: Database, conn: Connection, limit: int, known: Sequence[str], only: Collection[str] | None = None
+) -> Sequence[Any]:
+    """Unlocked runs of ``known`` workflows due now in a queue that is not paused, oldest due
+    first (with ``only``: those runs and their children): what a step runner in the calling
+    thread (testing.Fake, eager mode) takes next."""
+    where = () if only is None else (or_(runs.c.id.in_(only), runs.c.parent_id.in_(only)),)
     query = (
         select(runs.c.id, runs.c.workflow, runs.c.step_index, runs.c.status)
         .where(
             runs.c.due_at <= db.now(),
             runs.c.locked_by.is_(None),
             runs.c.status.in_(RELAYED),
-            ~paused_exists(),
+            *_of_known(known),
             *where,
         )
         .order_by(runs.c.due_at, runs.c.id)

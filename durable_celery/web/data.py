@@ -12,10 +12,10 @@ from ..errors import InvalidArgument
 from ..models import Run, aware
 from ..observe.activity import KeyEntry, key_blocks
 from ..observe.flow import flow_report, key_words, limit_words, limits_of, use_words
-from ..store import activity_rows, flow_reads, observe_rows
+from ..store import activity_rows, dashboard_rows, flow_reads, observe_rows
 from ..store.db import masked_url
 from ..store.schema import UNFINISHED
-from . import queries, why
+from . import why
 
 if TYPE_CHECKING:
     from ..app import Durable
@@ -67,8 +67,8 @@ def check_status(value: Any) -> str | None:
     """A status filter: empty or one of the statuses."""
     if not value:
         return None
-    if value not in queries.STATUSES:
-        raise InvalidArgument(f"unknown status {value!r}; one of {', '.join(queries.STATUSES)}")
+    if value not in dashboard_rows.STATUSES:
+        raise InvalidArgument(f"unknown status {value!r}; one of {', '.join(dashboard_rows.STATUSES)}")
     return str(value)
 
 
@@ -83,7 +83,7 @@ def overview(durable: Durable) -> dict[str, Any]:
     with db.engine.connect() as conn:
         counts = observe_rows.status_counts(conn)
         ready = observe_rows.ready_by_workflow(db, conn)
-        failed = queries.failed_since(conn, now - timedelta(hours=1))
+        failed = dashboard_rows.failed_since(conn, now - timedelta(hours=1))
         stale = observe_rows.stale_lock_count(db, conn, durable.settings.stale_lock_timeout)
         gauges = flow_reads.flow_gauges(conn)
     queue_list = queues_data(durable)
@@ -137,13 +137,13 @@ def runs_page(durable: Durable, params: dict[str, Any]) -> dict[str, Any]:
     status = check_status(params.get("status"))
     workflow, key = params.get("workflow") or None, params.get("key") or None
     with durable.db.engine.connect() as conn:
-        known = sorted(set(queries.workflow_names(conn)) | set(durable.workflows))
+        known = sorted(set(dashboard_rows.workflow_names(conn)) | set(durable.workflows))
         found = parse_search(params.get("q") or "", known)
         if "run_id" in found:
-            exists = queries.run_exists(conn, found["run_id"])
+            exists = dashboard_rows.run_exists(conn, found["run_id"])
             return {"run_id": found["run_id"] if exists else None, "runs": [], "workflows": known}
         workflow, key = found.get("workflow", workflow), found.get("key", key)
-        rows = queries.page_of_runs(
+        rows = dashboard_rows.page_of_runs(
             conn,
             workflow=workflow,
             status=status,
@@ -183,8 +183,8 @@ def run_detail(durable: Durable, run_id: str) -> dict[str, Any]:
     steps = durable.list_steps(run_id)
     state = why.run_state(durable, run, steps)
     with durable.db.engine.connect() as conn:
-        events = [dict(r._mapping) for r in queries.events_of_run(conn, run_id)]
-        brief = queries.run_brief(conn, [run.parent_id or "", run.runs_after_id or ""])
+        events = [dict(r._mapping) for r in dashboard_rows.events_of_run(conn, run_id)]
+        brief = dashboard_rows.run_brief(conn, [run.parent_id or "", run.runs_after_id or ""])
         key = key_view(durable, conn, run)
     return {
         "run": run,
@@ -209,12 +209,12 @@ def key_view(durable: Durable, conn: Any, run: Run) -> dict[str, Any] | None:
     (each dropped input as a diff against the run's input), hand-offs and releases."""
     if run.key is None:
         return None
-    row = queries.key_row(conn, run.workflow, run.key)
-    decisions = queries.key_decisions_of_run(conn, run.id)
-    history = queries.key_history(conn, run.workflow, run.key)
+    row = dashboard_rows.key_row(conn, run.workflow, run.key)
+    decisions = dashboard_rows.key_decisions_of_run(conn, run.id)
+    history = dashboard_rows.key_history(conn, run.workflow, run.key)
     readds = [_readd(run, d) for d in decisions if d.kind == "key_duplicate"]
     waiting_id = row.waiting_id if row is not None else None
-    brief = queries.run_brief(conn, [waiting_id or ""])
+    brief = dashboard_rows.run_brief(conn, [waiting_id or ""])
     return {
         "key": run.key,
         "holds": row is not None and row.holder_id == run.id,
@@ -238,7 +238,7 @@ def key_view(durable: Durable, conn: Any, run: Run) -> dict[str, Any] | None:
                 "holds": row is not None and row.holder_id == r.id,
                 "waited_behind": r.runs_after_id,
             }
-            for r in queries.runs_of_key(conn, run.workflow, run.key, RUNS_OF_KEY)
+            for r in dashboard_rows.runs_of_key(conn, run.workflow, run.key, RUNS_OF_KEY)
         ],
         "runs_limit": RUNS_OF_KEY,
     }
@@ -297,11 +297,11 @@ def keys_data(durable: Durable, workflow: str | None, prefix: str | None, limit:
     the keys re-added most this week."""
     now = durable.db.utcnow()
     with durable.db.engine.connect() as conn:
-        rows = queries.page_of_keys(conn, workflow or None, prefix or None, limit)
+        rows = dashboard_rows.page_of_keys(conn, workflow or None, prefix or None, limit)
         pairs = [(r.workflow, r.key) for r in rows]
         used = activity_rows.runs_per_key(conn, workflow, pairs)
-        readds = queries.readds_per_key(conn, pairs, now - timedelta(days=1))
-        top = queries.top_readded(conn, workflow or None, now - timedelta(days=7))
+        readds = dashboard_rows.readds_per_key(conn, pairs, now - timedelta(days=1))
+        top = dashboard_rows.top_readded(conn, workflow or None, now - timedelta(days=7))
     entries = [
         KeyEntry(
             r.workflow,
@@ -417,8 +417,10 @@ def queues_data(durable: Durable) -> dict[str, Any]:
         queue_list.append(dict(entry, **split, name=name, consumers=consumers, no_consumer=no_consumer))
     with durable.db.engine.connect() as conn:
         since = now - timedelta(days=1)
-        troubles = queries.count_activity(conn, queries.RECOVERY_KINDS, since)
-        recent = [_entry(r) for r in queries.recent_activity(conn, queries.RECOVERY_KINDS, since)]
+        troubles = dashboard_rows.count_activity(conn, dashboard_rows.RECOVERY_KINDS, since)
+        recent = [
+            _entry(r) for r in dashboard_rows.recent_activity(conn, dashboard_rows.RECOVERY_KINDS, since)
+        ]
     return {"queues": queue_list, "nodes": nodes, "recoveries": troubles, "recent": recent}
 
 

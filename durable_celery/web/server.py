@@ -19,6 +19,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import DatabaseUnavailable, DurableError, RunNotFound, ScheduleNotFound
+from ..store import dashboard_rows
 from . import actions, auth, data
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def make_environment() -> Environment:
     env.filters.update(
         pretty=pretty, short_json=short_json, when=when, seconds=seconds, q=lambda v: quote(str(v), safe="")
     )
-    env.globals.update(statuses=data.queries.STATUSES, urlencode=urlencode, unfinished=data.unfinished)
+    env.globals.update(statuses=dashboard_rows.STATUSES, urlencode=urlencode, unfinished=data.unfinished)
     return env
 
 

@@ -32,8 +32,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.rollout import defer, fail_changed, known_elsewhere
-from ..store import node_rows, queries, queue_rows
-from ..store.schema import runs
+from ..store import node_rows, queries
 
 if TYPE_CHECKING:
     from ..core.runtime import Runtime
@@ -64,17 +63,16 @@ def relay_once(rt: Runtime, app: Any, lost: bool = False, probe: bool = False) -
     known = list(rt.registry.workflows)
     if not known:
         return 0
-    where = (runs.c.workflow.in_(known), ~queue_rows.paused_exists())  # a paused queue's runs wait
     s, db = rt.settings, rt.db
     after = 0.0 if lost else s.relay_after  # how long a sent run stays unclaimed before a re-send
     budget: dict[str | None, int] | None = None  # worked out once a re-send is due, not before
     sent, size = 0, 1 if probe else RELAY_BATCH
     while True:
         with db.begin() as conn:
-            rows = queries.take_due_runs_txn(db, conn, after, size, *where)
+            rows = queries.take_due_runs_txn(db, conn, after, size, known)
             if budget is None and any(row.resend for row in rows):
                 conn.rollback()  # the rows' locks go while the broker is asked; taken again below
-                budget = _budget(rt, app, after, where)
+                budget = _budget(rt, app, after, known)
                 continue
             to_send, marks = _choose(rows, budget or {}, s.relay_after, keep=lost)
             queries.mark_relayed_txn(db, conn, marks)
@@ -89,12 +87,12 @@ def relay_once(rt: Runtime, app: Any, lost: bool = False, probe: bool = False) -
         size = RELAY_BATCH
 
 
-def _budget(rt: Runtime, app: Any, after: float, where: Sequence[Any]) -> dict[str | None, int]:
+def _budget(rt: Runtime, app: Any, after: float, known: Sequence[str]) -> dict[str | None, int]:
     """Each queue's re-send budget (below), read only in a pass that met a re-send due: the
     count of sent, unclaimed runs reads the whole ready backlog."""
     db, s = rt.db, rt.settings
     with db.engine.connect() as conn:
-        candidates = queries.relay_candidates(db, conn, after, *where)
+        candidates = queries.relay_candidates(db, conn, after, known)
         # No live node known (a relay run from the command line, say): no queue is ruled out.
         consumed = node_rows.live_queues(db, conn, s.stale_lock_timeout) if candidates else set()
     return resend_budget(app, candidates, consumed)

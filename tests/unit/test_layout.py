@@ -123,3 +123,20 @@ def test_no_module_is_over_600_lines():
         if "migrations" not in path.parts and (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}, f"split these modules (over {MAX_LINES} lines): {long}"
+
+
+# SQLAlchemy's statement builders and the tables' columns: only the store writes SQL.
+_SQL = re.compile(
+    r"from sqlalchemy(\.sql)? import [^\n]*\b(select|update|insert|delete|text|case|or_|and_|func)\b"
+    r"|\b(runs|steps|keys|activity|events|queues|nodes)\.c\."
+)
+
+
+def test_every_statement_is_in_the_store():
+    """Plans are reviewed in one place: no module outside durable_celery/store builds SQL."""
+    outside = {
+        str(path.relative_to(ROOT))
+        for path in PACKAGE.rglob("*.py")
+        if "store" not in path.relative_to(PACKAGE).parts[:1] and _SQL.search(path.read_text())
+    }
+    assert outside == set(), f"move these modules' statements into durable_celery/store: {outside}"

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from ..store.schema import FINISHED, UNFINISHED, activity, events, keys, runs
+from .schema import FINISHED, UNFINISHED, activity, events, keys, runs
 
 STATUSES = UNFINISHED + FINISHED
 KEY_KINDS = ("key_duplicate", "key_handed_off", "key_released", "key_retaken")
