@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from .schedules import UNSET, Schedule, beat
 from .schedules import fires as schedule_fires
 from .settings import Settings
 from .store import migrate as migrations
-from .store import queries
+from .store import queries, replica_rows
 from .store.db import Database
 from .store.schema import FINISHED, UNFINISHED
 from .worker import broker_reconnect, transport, upkeep
@@ -57,6 +58,7 @@ class Durable:
         capabilities: Capability = Capability.ALL,
         outbox: Outbox | None = None,
         database: Database | None = None,
+        read_database: Database | None = None,
         **settings: Any,
     ) -> None:
         # Build the parts once: the core gets them as a Runtime, never this object. A part may
@@ -68,6 +70,8 @@ class Durable:
             pool_size=self.settings.pool_size,
             prepared_statements=not self.settings.pgbouncer,
         )
+        # What operators read (dashboard, admin, reports, metrics): a replica when one is given.
+        self.reads: Database = read_database or self.db.replica(self.settings.read_database_url)
         if not isinstance(capabilities, Capability):
             raise InvalidDefinition(f"capabilities must be a Capability, not {capabilities!r}")
         self.registry = Registry()
@@ -83,6 +87,8 @@ class Durable:
             default_queue=lambda: str(app.conf.task_default_queue),
             sender=self,
         )
+        # The same parts reading the replica: for the operators' reads only, never a write.
+        self.read_runtime = self.runtime if self.reads is self.db else replace(self.runtime, db=self.reads)
         self.engine = Engine(self.runtime)
         self.tasks = StepTasks(app, self.engine)
         self.starter = Starter(self.runtime, self.engine)
@@ -402,6 +408,13 @@ class Durable:
         """Held keys with their holder, whether each blocks a new start, runs per key and
         re-adds in the last day; ``prefix`` keeps the keys that start with it."""
         return observe.list_keys(self.runtime, workflow, limit, prefix=prefix)
+
+    def replication_lag(self) -> float | None:
+        """Seconds the read replica (``read_database_url``) is behind the primary; None without one."""
+        if self.reads is self.db:
+            return None
+        with self.reads.engine.connect() as conn:
+            return replica_rows.replication_lag(conn)
 
     def count_runs(self) -> dict[tuple[str, str], int]:
         """How many runs each workflow has in each status, exactly: it reads every run (for

@@ -23,6 +23,9 @@ class Settings:
     """Tunables of one ``Durable``; each may also be set as ``app.conf.durable_<name>``."""
 
     database_url: str | None = None
+    # A streaming replica of the database for what operators read (dashboard, admin, reports,
+    # metrics); starts, claims, results and anything followed by a write read the primary.
+    read_database_url: str | None = None
     pool_size: int = 5
     # Behind PgBouncer in transaction mode (before 1.21): no server-side prepared statements.
     pgbouncer: bool = False
@@ -70,7 +73,7 @@ class Settings:
         shown = []
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name == "database_url" and isinstance(value, str):
+            if field.name in ("database_url", "read_database_url") and isinstance(value, str):
                 value = masked_url(value)  # a repr ends up in logs and tracebacks
             shown.append(f"{field.name}={value!r}")
         return f"Settings({', '.join(shown)})"
@@ -90,27 +93,12 @@ class Settings:
             elif conf_value is not None:
                 values[name] = conf_value
         url = database_url or values.get("database_url") or os.environ.get("DURABLE_DATABASE_URL")
-        if "home" not in values and os.environ.get("DURABLE_HOME"):
-            values["home"] = os.environ["DURABLE_HOME"]
         values["database_url"] = url
+        for name in ("home", "read_database_url"):  # DURABLE_HOME, DURABLE_READ_DATABASE_URL
+            if values.get(name) is None and os.environ.get(f"DURABLE_{name.upper()}"):
+                values[name] = os.environ[f"DURABLE_{name.upper()}"]
         settings = cls(**values)
-        for name in (
-            "heartbeat_interval",
-            "stale_lock_timeout",
-            "relay_after",
-            "poll_interval",
-            "sweep_interval",
-            "backoff_base",
-            "backoff_max",
-            "shutdown_grace_period",
-            "missing_code_retry",
-            "schedule_pickup_timeout",
-            "prune_interval",
-            "inline_seconds",
-        ):
-            value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+        _check_positive(settings)
         _check_inline_steps(settings.inline_steps)
         _check_publish_linger(settings.publish_linger)
         limit = settings.schedule_max_failures
@@ -118,11 +106,52 @@ class Settings:
             raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
         _check_max_input_bytes(settings.max_input_bytes)
         _check_metrics_addr(settings.metrics_addr)
+        _check_read_database_url(settings.read_database_url, url)
         settings = replace(settings, prune=check_prune_rules(settings.prune))
         if settings.database_url is None:
             path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
             settings = replace(settings, database_url=f"sqlite:///{path}")
         return settings
+
+
+def _check_positive(settings: Settings) -> None:
+    """The intervals and timeouts are positive numbers."""
+    for name in (
+        "heartbeat_interval",
+        "stale_lock_timeout",
+        "relay_after",
+        "poll_interval",
+        "sweep_interval",
+        "backoff_base",
+        "backoff_max",
+        "shutdown_grace_period",
+        "missing_code_retry",
+        "schedule_pickup_timeout",
+        "prune_interval",
+        "inline_seconds",
+    ):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+
+
+def _check_read_database_url(read_url: Any, url: str | None) -> None:
+    """A read replica is a PostgreSQL URL, beside a PostgreSQL primary."""
+    if read_url is None:
+        return
+    if not isinstance(read_url, str) or not read_url.startswith(("postgresql:", "postgresql+", "postgres:")):
+        raise InvalidDefinition(
+            f"read_database_url must be a PostgreSQL URL (a streaming replica), not {masked(read_url)}"
+        )
+    if not (url or "").startswith(("postgresql:", "postgresql+", "postgres:")):
+        raise InvalidDefinition(
+            "read_database_url needs a PostgreSQL database_url: it is that database's replica"
+        )
+
+
+def masked(value: Any) -> str:
+    """A setting's value for a message: a URL's password hidden."""
+    return repr(masked_url(value)) if isinstance(value, str) else repr(value)
 
 
 def _check_inline_steps(steps: Any) -> None:

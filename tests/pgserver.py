@@ -174,6 +174,36 @@ class PgServer:
         self.running = False
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def standby(self) -> PgServer:
+        """A streaming replica of this running server (``pg_basebackup -R``), on a port of its
+        own, not started yet: ``start()`` it, and it replays what this one commits."""
+        replica = PgServer.__new__(PgServer)
+        replica.port, replica.running = free_port(), False
+        replica.folder = _owned_folder("durable-pg-standby-")
+        replica.data, replica.log = replica.folder / "data", replica.folder / "server.log"
+        command = [
+            str(bin_dir() / "pg_basebackup"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            "postgres",
+        ]
+        _run(
+            [*command, "-D", str(replica.data), "-R", "-X", "stream", "--no-sync"],
+            replica.folder,
+            "pg_basebackup",
+        )
+        settings = {
+            "port": str(replica.port),
+            "unix_socket_directories": f"'{replica.folder}'",
+            "hot_standby": "on",
+        }
+        with open(replica.data / "postgresql.conf", "a") as conf:
+            conf.write("".join(f"{name} = {value}\n" for name, value in settings.items()))
+        return replica
+
     def __enter__(self) -> PgServer:
         self.start()
         return self

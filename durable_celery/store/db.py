@@ -400,6 +400,13 @@ class Database:
             with conn.begin():
                 yield conn
 
+    def replica(self, url: str | None) -> Database:
+        """A Database on ``url`` (a streaming replica of this one) with this one's pool and
+        prepared statements; this one itself without a URL."""
+        if not url:
+            return self
+        return Database(url, pool_size=self._pool_size, prepared_statements=self._prepared)
+
     def same_database(self, where: Any) -> bool:
         """Is ``where`` (a SQLAlchemy Engine or Connection, or a URL) this database?"""
         url = getattr(where, "url", None) or getattr(getattr(where, "engine", None), "url", None)

@@ -33,9 +33,10 @@ def durable_checks(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             )
         )
     for durable in list(_made.values()):
-        problem = getattr(durable.db, "problem", None)
-        if isinstance(problem, AliasProblem):
-            found.append(checks.Error(problem.what, hint=problem.fix, id=ALIAS))
+        for database in dict.fromkeys([durable.db, durable.reads]):  # the read replica's alias too
+            problem = getattr(database, "problem", None)
+            if isinstance(problem, AliasProblem):
+                found.append(checks.Error(problem.what, hint=problem.fix, id=ALIAS))
     return found
 
 

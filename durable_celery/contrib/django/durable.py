@@ -42,7 +42,8 @@ class DjangoDurable(Durable):
     Create it in ``proj/celery.py`` after ``app.config_from_object("django.conf:settings",
     namespace="CELERY")``; Django's app registry need not be ready. With
     ``CELERY_DURABLE_JOIN_ATOMIC`` (default True) a start inside ``transaction.atomic()`` on the
-    alias joins Django's transaction.
+    alias joins Django's transaction. ``CELERY_DURABLE_READ_DATABASE_ALIAS`` names a streaming
+    replica's alias for what operators read (the admin, the dashboard, reports, metrics).
     """
 
     def __init__(
@@ -60,6 +61,8 @@ class DjangoDurable(Durable):
         join = app.conf.get("durable_join_atomic") if join is None else join
         self.alias: str = alias
         self.join_atomic: bool = True if join is None else bool(join)
+        read_alias = settings.pop("read_database_alias", None) or app.conf.get("durable_read_database_alias")
+        self.read_alias: str = read_alias or alias
         pool_size = settings.get("pool_size", app.conf.get("durable_pool_size") or 5)
         database = DjangoDatabase(alias, pool_size=pool_size)
         super().__init__(
@@ -68,10 +71,13 @@ class DjangoDurable(Durable):
             capabilities=capabilities,
             outbox=outbox,
             database=database,
+            read_database=DjangoDatabase(read_alias, pool_size=pool_size) if read_alias else None,
             **settings,
         )
         self.starter.ambient = self._open_atomic_block
         _made[alias] = self
+        if read_alias:
+            _reading[read_alias] = self  # the admin's actions on rows read there write here
         _discover_workflows(app)
         from . import checks
 
@@ -103,11 +109,14 @@ def _discover_workflows(app: Celery) -> None:
 
 # The DjangoDurable made last for each alias: what the admin's actions call.
 _made: dict[str, DjangoDurable] = {}
+# The same, by the alias of its read replica.
+_reading: dict[str, DjangoDurable] = {}
 
 
 def durable_for(alias: str = DEFAULT_ALIAS) -> DjangoDurable:
-    """The ``DjangoDurable`` of alias ``alias`` (the one made last); NotConfigured if none was."""
-    found = _made.get(alias)
+    """The ``DjangoDurable`` of alias ``alias`` (the one made last), or of which ``alias`` is the read
+    replica; NotConfigured if none was."""
+    found = _made.get(alias) or _reading.get(alias)
     if found is None:
         raise NotConfigured(
             f"no DjangoDurable on database alias {alias!r}: create DjangoDurable(app) in your Celery "

@@ -5,8 +5,9 @@ these models only read them. Every write through them (``save``, ``delete``, ``c
 QuerySet ``update``, ``delete``, ``bulk_create``, ...) raises InvalidArgument before any SQL.
 Relations use ``db_constraint=False``: the tables' own rules (schema.py) hold, not Django's.
 
-The models read the alias of ``CELERY_DURABLE_DATABASE_ALIAS`` when that setting is given, and
-the alias Django's routers pick otherwise.
+The models read the alias of ``CELERY_DURABLE_READ_DATABASE_ALIAS`` (a streaming replica) when
+that setting is given, else that of ``CELERY_DURABLE_DATABASE_ALIAS``, and the alias Django's
+routers pick otherwise.
 """
 
 from __future__ import annotations
@@ -74,11 +75,14 @@ class ReadOnlyManager(models.Manager.from_queryset(ReadOnlyQuerySet)):  # type: 
     given), refuses writes."""
 
     def get_queryset(self) -> ReadOnlyQuerySet:
-        """Rows on durable's alias when the setting names one, else where the routers say."""
+        """Rows on durable's read replica or alias when a setting names one, else where the
+        routers say."""
         from django.conf import settings
 
         queryset: ReadOnlyQuerySet = super().get_queryset()
-        alias = getattr(settings, "CELERY_DURABLE_DATABASE_ALIAS", None)
+        alias = getattr(settings, "CELERY_DURABLE_READ_DATABASE_ALIAS", None) or getattr(
+            settings, "CELERY_DURABLE_DATABASE_ALIAS", None
+        )
         return queryset.using(alias) if alias and self._db is None else queryset
 
 
