@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from . import schedules
 from .capabilities import Capability, of_backend
 from .core import answers, atomic, control
 from .core.engine import Engine
@@ -26,8 +26,9 @@ from .instrument.hooks import Instrumentation
 from .models import Run, StepRecord
 from .observe import activity as observe
 from .observe.activity import Activity, KeyEntry, PendingInput, Stats
-from .schedules import UNSET, Schedule, beat
+from .schedules import beat
 from .schedules import fires as schedule_fires
+from .schedules.methods import ScheduleMethods
 from .settings import Settings
 from .store import migrate as migrations
 from .store import queries, replica_rows
@@ -47,7 +48,7 @@ log = logging.getLogger("durable_celery")
 STATUSES = UNFINISHED + FINISHED
 
 
-class Durable:
+class Durable(ScheduleMethods):
     """Durable, keyed workflows for one Celery app; see the README for a tour."""
 
     def __init__(
@@ -409,6 +410,16 @@ class Durable:
         re-adds in the last day; ``prefix`` keeps the keys that start with it."""
         return observe.list_keys(self.runtime, workflow, limit, prefix=prefix)
 
+    @cached_property
+    def reader(self) -> Durable:
+        """This Durable reading its replica (``read_database_url``), for operators' reads only
+        (the dashboard, reports, metrics); itself without a replica."""
+        if self.reads is self.db:
+            return self
+        view = copy.copy(self)
+        view.db, view.runtime, view.stats = self.reads, self.read_runtime, Stats(self.read_runtime)
+        return view
+
     def replication_lag(self) -> float | None:
         """Seconds the read replica (``read_database_url``) is behind the primary; None without one."""
         if self.reads is self.db:
@@ -437,9 +448,7 @@ class Durable:
     def _setup_watching(self) -> None:
         self._metrics: DurableMetrics | None = None
         port = self.settings.metrics_port
-        if port is not None:
-            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-                raise InvalidDefinition(f"metrics_port must be a port number, not {port!r}")
+        if port is not None:  # checked by Settings.build
             from .observe.metrics import serve_from_worker
 
             self.metrics  # noqa: B018 - counters must exist before the first step is counted
@@ -451,7 +460,7 @@ class Durable:
         if self._metrics is None:
             from .observe.metrics import DurableMetrics
 
-            self._metrics = DurableMetrics(self.runtime, self.app)
+            self._metrics = DurableMetrics(self.read_runtime, self.app)  # a replica's, when given
         return self._metrics
 
     def doctor(self, fix: bool = False) -> list[Finding]:
@@ -465,74 +474,6 @@ class Durable:
         from .observe.doctor import summary
 
         return summary(self.runtime)
-
-    # -- keyed schedules (see schedules.py and docs/schedules.md) ----------------------------
-
-    def beat_entry(
-        self,
-        workflow: str | Workflow,
-        schedule: Any,
-        key: str | None = None,
-        input: Mapping[str, Any] | None = None,
-        name: str | None = None,
-    ) -> dict[str, Any]:
-        """An ``app.conf.beat_schedule`` entry whose fires start ``workflow`` with ``key``."""
-        self._check_schedule("beat_entry", workflow, key)
-        return schedules.beat_entry(self.runtime, self.app, workflow, schedule, key, input, name)
-
-    def schedule(
-        self,
-        workflow: str | Workflow,
-        cron: Any,
-        key: str | None = None,
-        input: Mapping[str, Any] | None = None,
-        name: str | None = None,
-    ) -> Schedule:
-        """Create (or redefine) a schedule at run time: a RedBeat entry, or a row DurableScheduler reads."""
-        self._check_schedule("schedule", workflow, key)
-        return schedules.create(self.runtime, self.app, workflow, cron, key, input, name)
-
-    def _check_schedule(self, operation: str, workflow: str | Workflow, key: str | None) -> None:
-        """Unsupported when a schedule, or its key, needs a capability this Durable lacks."""
-        self.require(Capability.SCHEDULES, operation, "schedules", self._name_of(workflow))
-        if key is not None:
-            self.require(Capability.IDEMPOTENCY_KEY, operation, "key", self._name_of(workflow))
-
-    @staticmethod
-    def _name_of(workflow: str | Workflow) -> str | None:
-        return workflow.name if isinstance(workflow, Workflow) else workflow
-
-    def list_schedules(self) -> list[Schedule]:
-        """Every keyed schedule (configured and run-time), by name."""
-        return schedules.list_all(self.runtime, self.app)
-
-    def get_schedule(self, name: str) -> Schedule:
-        """One schedule by name; ScheduleNotFound if there is none."""
-        return schedules.get(self.runtime, self.app, name)
-
-    def update_schedule(
-        self, name: str, cron: Any = UNSET, *, workflow: Any = UNSET, key: Any = UNSET, input: Any = UNSET
-    ) -> Schedule:
-        """Change a run-time schedule's timing, workflow, key or input; the next fire uses them."""
-        if key is not UNSET and key is not None:
-            self.require(Capability.IDEMPOTENCY_KEY, "update_schedule", "key", None)
-        return schedules.update(self.runtime, self.app, name, cron, workflow, key, input)
-
-    def enable_schedule(self, name: str) -> Schedule:
-        """Switch a schedule on again; its failure count starts from 0."""
-        return schedules.switch(self.runtime, self.app, name, True)
-
-    def disable_schedule(self, name: str) -> Schedule:
-        """Switch a schedule off: its fires start nothing until it is enabled."""
-        return schedules.switch(self.runtime, self.app, name, False)
-
-    def delete_schedule(self, name: str) -> bool:
-        """Delete a run-time schedule and its state; False if there was none."""
-        return schedules.remove(self.runtime, self.app, name)
-
-    def trigger_schedule(self, name: str) -> str:
-        """Fire a schedule now, with its key: the run id started or the key's holder's id."""
-        return schedules.trigger(self.runtime, self.app, name)
 
     # -- running in production: retention, queues, nodes (prune.py, queues.py, nodes.py) ---
 

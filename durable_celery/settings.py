@@ -106,6 +106,7 @@ class Settings:
             raise InvalidDefinition(f"schedule_max_failures must be a positive int, not {limit!r}")
         _check_max_input_bytes(settings.max_input_bytes)
         _check_metrics_addr(settings.metrics_addr)
+        _check_metrics_port(settings.metrics_port)
         _check_read_database_url(settings.read_database_url, url)
         settings = replace(settings, prune=check_prune_rules(settings.prune))
         if settings.database_url is None:
@@ -133,6 +134,12 @@ def _check_positive(settings: Settings) -> None:
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise InvalidDefinition(f"{name} must be a positive number, not {value!r}")
+
+
+def _check_metrics_port(port: Any) -> None:
+    """A port number, or None (no metrics served)."""
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise InvalidDefinition(f"metrics_port must be a port number, not {port!r}")
 
 
 def _check_read_database_url(read_url: Any, url: str | None) -> None:
