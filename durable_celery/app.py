@@ -418,11 +418,12 @@ class Durable(ScheduleMethods):
             return self
         view = copy.copy(self)
         view.db, view.runtime, view.stats = self.reads, self.read_runtime, Stats(self.read_runtime)
+        view.__dict__.update(reader=view, _reading=True)  # a reader's db is the replica
         return view
 
     def replication_lag(self) -> float | None:
         """Seconds the read replica (``read_database_url``) is behind the primary; None without one."""
-        if self.reads is self.db:
+        if self.reads is self.db and not getattr(self, "_reading", False):  # no replica
             return None
         with self.reads.engine.connect() as conn:
             return replica_rows.replication_lag(conn)

@@ -21,7 +21,7 @@ from . import ops as cli_ops
 from . import schedules as cli_schedules
 from . import vacuum as cli_vacuum
 from . import web as cli_web
-from .common import durable_of, or_fail
+from .common import durable_of, or_fail, reader_of
 from .key_report import blocks_new_starts
 
 STATUS_WIDTH = max(len(s) for s in STATUSES)  # compensation_failed, the longest
@@ -163,7 +163,7 @@ def runs(
 ) -> None:
     """List runs, newest first; "holds" is yes for a run whose key blocks a new start, free for a
     finished holder whose key the next start takes."""
-    d = durable_of(ctx)
+    d = reader_of(ctx)  # a report: the replica when there is one
     found = or_fail(lambda: d.list_runs(workflow=workflow, key=key, status=status, limit=limit))
     if as_json:
         for run in found:
@@ -187,7 +187,7 @@ def runs(
 @click.pass_context
 def show(ctx: click.Context, run_id: str, as_json: bool) -> None:
     """Show one run, its recorded step attempts and its children."""
-    d = durable_of(ctx)
+    d = reader_of(ctx)  # a report: the replica when there is one
     run = or_fail(d.get_run, run_id)
     steps, children = d.list_steps(run_id), d.list_children(run_id)
     if as_json:
@@ -247,7 +247,7 @@ def keys(
     """The key report: keys, their holders, whether each blocks a new start, re-adds and hand-offs."""
     if as_json and html_file is not None:
         raise click.UsageError("give --json or --html, not both")
-    d = durable_of(ctx)
+    d = reader_of(ctx)  # a report: the replica when there is one
     found = or_fail(lambda: d.list_keys(workflow, limit, prefix=prefix))
     scope = _key_scope(workflow, prefix, limit, len(found))
     if as_json:

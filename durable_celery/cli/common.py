@@ -41,3 +41,8 @@ def or_fail(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except DurableError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def reader_of(ctx: click.Context) -> Durable:
+    """The ``Durable`` of ``celery -A``, reading its read replica when it has one: for reports."""
+    return durable_of(ctx).reader

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from .common import durable_of, or_fail
+from .common import or_fail, reader_of
 
 
 @click.command(name="flow")
@@ -33,7 +33,7 @@ def flow(ctx: click.Context, workflow: str | None, limit: int, as_json: bool) ->
     """
     from ..observe.flow import flow_report
 
-    d = durable_of(ctx)
+    d = reader_of(ctx)
     found = or_fail(flow_report, d.runtime, workflow, limit)
     if as_json:
         for entry in found:

@@ -24,7 +24,7 @@ def _durable(ctx: click.Context) -> Any:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Summary: schema, runs per status, ready backlog and oldest ready run, locks, nodes."""
-    d = _durable(ctx)
+    d = _durable(ctx).reader
     pending = d.pending_migrations()
     if pending:
         migrate = f"celery -A {app_argument()} durable migrate"
@@ -113,7 +113,7 @@ def _age(seconds: float) -> str:
 def doctor(ctx: click.Context, fix: bool, as_json: bool) -> None:
     """Report stuck state; exit 1 when something is found (without --fix) or could not be fixed."""
     try:
-        findings = _durable(ctx).doctor(fix=fix)
+        findings = (_durable(ctx) if fix else _durable(ctx).reader).doctor(fix=fix)
     except DurableError as exc:
         raise click.ClickException(str(exc)) from exc
     for finding in findings:

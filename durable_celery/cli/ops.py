@@ -66,7 +66,7 @@ def cleanup(
 @click.pass_context
 def queues_command(ctx: click.Context, as_json: bool) -> None:
     """Per queue: ready, running and waiting runs, the oldest ready run, paused or not."""
-    stats = durable_of(ctx).stats.queues()
+    stats = durable_of(ctx).reader.stats.queues()
     if as_json:
         for name, entry in stats.items():
             click.echo(json.dumps({"queue": name, **entry}, default=str))
@@ -103,7 +103,7 @@ def resume(ctx: click.Context, name: str) -> None:
 @click.pass_context
 def nodes(ctx: click.Context, as_json: bool) -> None:
     """Worker nodes seen in the last day: queues, pid, draining, started, last seen."""
-    found: list[dict[str, Any]] = durable_of(ctx).list_nodes()
+    found: list[dict[str, Any]] = durable_of(ctx).reader.list_nodes()
     if as_json:
         for node in found:
             click.echo(json.dumps(node, default=str))

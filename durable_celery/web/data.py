@@ -8,7 +8,7 @@ from dataclasses import asdict, fields, is_dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgument
+from ..errors import DatabaseUnavailable, InvalidArgument
 from ..models import Run, aware
 from ..observe.activity import KeyEntry, key_blocks
 from ..observe.flow import flow_report, key_words, limit_words, limits_of, use_words
@@ -102,7 +102,19 @@ def overview(durable: Durable) -> dict[str, Any]:
         "nodes": queue_list["nodes"],
         "paused_queues": [q["name"] for q in queue_list["queues"] if q["paused"]],
         "schema": schema_state(durable),
+        "replica": replica_state(durable),
     }
+
+
+def replica_state(durable: Durable) -> dict[str, Any] | None:
+    """Where the pages read: the read replica and how far behind it is (None without one)."""
+    try:
+        lag = durable.replication_lag()
+    except DatabaseUnavailable as exc:
+        return {"database": durable.reads.masked_url, "lag": None, "error": str(exc)}
+    if lag is None:
+        return None
+    return {"database": durable.reads.masked_url, "lag": round(lag, 1), "error": None}
 
 
 def schema_state(durable: Durable) -> dict[str, Any]:

@@ -119,7 +119,8 @@ class Dashboard:
     """Routes and rendering around one ``Durable``."""
 
     def __init__(self, durable: Durable, token: str | None) -> None:
-        self.durable = durable
+        self.durable = durable  # actions, and reads followed by one
+        self.reader = durable.reader  # the pages' reads: the read replica's, when there is one
         self.token = token or None
         self.env = make_environment()
 
@@ -176,11 +177,11 @@ class Dashboard:
 
     def overview(self, request: Request) -> dict[str, Any]:
         """The overview page's data."""
-        return data.overview(self.durable)
+        return data.overview(self.reader)
 
     def runs(self, request: Request) -> Any:
         """A page of runs, or a redirect when the search names a run."""
-        found = data.runs_page(self.durable, dict(request.query_params))
+        found = data.runs_page(self.reader, dict(request.query_params))
         if "run_id" in found:
             if found["run_id"] is None:
                 raise RunNotFound(request.query_params.get("q", "").strip())
@@ -189,7 +190,7 @@ class Dashboard:
 
     def run(self, request: Request) -> dict[str, Any]:
         """One run with its steps, events, family, activity and key view."""
-        return data.run_detail(self.durable, request.path_params["run_id"])
+        return data.run_detail(self.reader, request.path_params["run_id"])
 
     def confirm_cancel(self, request: Request) -> dict[str, Any]:
         """The page that asks before a cancel: the run, its step and children left to cancel."""
@@ -202,29 +203,29 @@ class Dashboard:
         """Key rows by workflow and prefix, and the keys re-added most."""
         params = request.query_params
         limit = data.check_limit(params.get("limit"), 200, 1000)
-        return data.keys_data(self.durable, params.get("workflow"), params.get("prefix"), limit)
+        return data.keys_data(self.reader, params.get("workflow"), params.get("prefix"), limit)
 
     def flow(self, request: Request) -> dict[str, Any]:
         """Flow control: each limit's use per key, by workflow."""
         params = request.query_params
         keys = data.check_limit(params.get("limit"), 50, 500)
-        return data.flow_data(self.durable, params.get("workflow"), keys)
+        return data.flow_data(self.reader, params.get("workflow"), keys)
 
     def workflow(self, request: Request) -> dict[str, Any]:
         """One workflow: definition, recent runs, keys."""
-        return data.workflow_data(self.durable, request.path_params["name"])
+        return data.workflow_data(self.reader, request.path_params["name"])
 
     def queues(self, request: Request) -> dict[str, Any]:
         """Queues with counts and consumers; nodes; worker trouble."""
-        return data.queues_data(self.durable)
+        return data.queues_data(self.reader)
 
     def schedules(self, request: Request) -> dict[str, Any]:
         """Every schedule with its state."""
-        return data.schedules_data(self.durable)
+        return data.schedules_data(self.reader)
 
     def settings(self, request: Request) -> dict[str, Any]:
         """Effective settings, schema state, prune rules."""
-        return data.settings_data(self.durable)
+        return data.settings_data(self.reader)
 
     # -- API reads ---------------------------------------------------------------------------
 
@@ -232,12 +233,12 @@ class Dashboard:
         """``GET /api/runs``: runs by workflow, status, key, limit."""
         params = dict(request.query_params)
         params.setdefault("limit", "50")
-        found = data.runs_page(self.durable, params)
+        found = data.runs_page(self.reader, params)
         return {"runs": found.get("runs", []), "more": found.get("more", False)}
 
     def api_run(self, request: Request) -> Any:
         """``GET /api/runs/<id>``: run, steps, events, children, activity, key view."""
-        detail = data.run_detail(self.durable, request.path_params["run_id"])
+        detail = data.run_detail(self.reader, request.path_params["run_id"])
         return {
             "run": detail["run"],
             "steps": detail["steps"],
@@ -253,15 +254,15 @@ class Dashboard:
         """``GET /api/keys``: key rows by workflow and prefix."""
         params = request.query_params
         limit = data.check_limit(params.get("limit"), 200, 1000)
-        return data.keys_data(self.durable, params.get("workflow"), params.get("prefix"), limit)
+        return data.keys_data(self.reader, params.get("workflow"), params.get("prefix"), limit)
 
     def api_queues(self, request: Request) -> Any:
         """``GET /api/queues``: queues and nodes."""
-        return data.queues_data(self.durable)
+        return data.queues_data(self.reader)
 
     def api_schedules(self, request: Request) -> Any:
         """``GET /api/schedules``: every schedule."""
-        found = data.schedules_data(self.durable)
+        found = data.schedules_data(self.reader)
         if found["error"]:
             raise DurableError(found["error"])
         return {"schedules": found["schedules"]}

@@ -69,7 +69,7 @@ def test_an_unknown_alias_lists_the_aliases_there_are(durable, another_durable):
     another_durable("nope")
     lines = _check_lines()
     assert any(
-        "durable_celery.E002" in line and "'nope'" in line and "aliases: 'default', 'lite'" in line
+        "durable_celery.E002" in line and "'nope'" in line and "aliases: 'default', 'lite', 'replica'" in line
         for line in lines
     ), lines
 

@@ -49,6 +49,16 @@ DATABASES = {
     },
     # Not PostgreSQL: a DjangoDurable on it is refused.
     "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
+    # A read replica's alias, as projects name one; here it reads the same database (as Django's
+    # TEST MIRROR does), so that the admin's reads can be told apart by their connection.
+    "replica": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": os.environ.get("DURABLE_DJANGO_DB", "durable_django"),
+        "USER": os.environ.get("DURABLE_DJANGO_USER", "postgres"),
+        "HOST": os.environ.get("DURABLE_DJANGO_HOST", "127.0.0.1"),
+        "PORT": os.environ.get("DURABLE_DJANGO_PORT", "5432"),
+        "TEST": {"MIRROR": "default"},
+    },
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

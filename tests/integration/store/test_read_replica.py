@@ -5,9 +5,13 @@ primary. A real streaming replica: a private PostgreSQL server and its standby m
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -20,10 +24,12 @@ from durable_celery.testing import worker
 from tests.conftest import REDIS_URL
 from tests.pgserver import PgServer
 
+ROOT = Path(__file__).resolve().parents[3]
+
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def servers() -> Iterator[tuple[PgServer, PgServer]]:
     """A primary and its streaming standby, running."""
     primary = PgServer()
@@ -84,6 +90,55 @@ def test_the_replica_is_read_by_operators_and_the_primary_by_starts_and_results(
         pytest.raises(psycopg.errors.ReadOnlySqlTransaction),
     ):
         standby.execute("DELETE FROM durable_runs")  # a standby: writes can only go to the primary
+
+
+def test_with_the_primary_down_the_dashboard_reports_and_metrics_still_read_the_replica(
+    durable: Durable, servers: tuple[PgServer, PgServer], tmp_path: Any
+) -> None:
+    """The operators' reads go to the replica: with the primary stopped, the dashboard's pages
+    and JSON API, the CLI's reports and the metrics' gauges still answer; the API's reads, for
+    callers whose next step may be a write, need the primary."""
+    from prometheus_client import generate_latest
+    from starlette.testclient import TestClient
+
+    from durable_celery.errors import DatabaseUnavailable
+    from durable_celery.web import create_app
+
+    wf = durable.workflow("replicated")
+    wf.step(lambda n: n * 2, name="double")
+    with worker(durable):
+        run_id = durable.start(wf, {"n": 1})
+        assert durable.result(run_id, timeout=30) == 2
+    _replayed(durable, run_id)
+    waiting = durable.start(wf, {"n": 2})  # pending, never run
+    _replayed(durable, waiting)
+    (tmp_path / "replicaapp.py").write_text(
+        "from celery import Celery\n"
+        "from durable_celery import Durable\n"
+        f"app = Celery('replicaapp', broker={REDIS_URL!r})\n"
+        f"durable = Durable(app, {durable.db.url!r}, read_database_url={durable.reads.url!r}, upkeep=False)\n"
+    )
+    servers[0].stop("fast")
+    client = TestClient(create_app(durable))
+    page = client.get("/")
+    assert page.status_code == 200 and "pages read the replica" in page.text, page.text
+    assert run_id in client.get("/runs").text
+    found = client.get("/api/runs").json()
+    assert {run_id, waiting} <= {r["id"] for r in found["runs"]}, found
+    assert client.get(f"/api/runs/{run_id}").json()["run"]["output"] == 2
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "replicaapp", "durable", "runs"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+        timeout=60,
+    )
+    assert done.returncode == 0 and run_id in done.stdout and waiting in done.stdout, done.stderr
+    scraped = generate_latest(durable.metrics.registry).decode()
+    assert "durable_database_up 1.0" in scraped, scraped
+    assert 'durable_runs{status="pending",workflow="replicated"} 1.0' in scraped, scraped
+    with pytest.raises(DatabaseUnavailable):
+        durable.get_run(run_id)  # the API reads the primary
 
 
 def test_a_durable_without_a_replica_reads_its_database(make_durable: Any) -> None:
