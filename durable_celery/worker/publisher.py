@@ -61,13 +61,17 @@ from ..instrument import tracing
 log = logging.getLogger("durable_celery")
 
 BATCH = 500  # messages per kombu batch (one pipeline round trip on Redis)
-# While starts keep coming, the thread waits this long for more before it sends, so that one
-# batch carries them (a start after a quiet spell goes at once): at most this much later to
+# While starts come fast, the thread waits this long for more before it sends, so that one
+# batch carries them (a start in a slower stream goes at once): at most this much later to
 # the broker, for a fraction of the CPU per message. Each send costs system calls (the Redis
 # round trip, waking this thread, handing the GIL back and forth) that cost more than the
 # message on a VM: one start in a steady stream cost the publisher about 1 ms of CPU lingering
 # 2 ms (batches of 1.5) and 0.3 ms lingering 20 ms (batches of 14). Setting ``publish_linger``.
 LINGER = 0.02
+# Lingering pays only while messages come faster than this fraction of ``linger`` apart (500 a
+# second at the default): a start in a slower stream goes at once, as a lone start always did.
+FAST_PACE = 0.1
+GAP_WEIGHT = 0.5  # how much the newest gap moves the mean gap
 EXIT_FLUSH_SECONDS = 30.0  # the longest a worker's flush after a task waits (task_postrun)
 # At exit, after the held runs are flagged for the relay, how long the broker gets to take them.
 EXIT_SECONDS = 1.0
@@ -172,7 +176,7 @@ class Publisher:
         self._stopping = False
         self._idle = False  # the thread waits for a first message: wake it for one
         self._hurry = False  # a flush waits: stop lingering
-        self._last_sent = 0.0  # monotonic time the last batch went out
+        self._arrived, self._gap = 0.0, self.linger  # the last message's monotonic time; the mean gap
         self._failing = False  # log a broker outage once, not once per batch
         # The producer of background sends, one connection held; used under _send_lock only.
         self._send_lock = threading.Lock()
@@ -219,6 +223,12 @@ class Publisher:
         if self._pid != os.getpid():  # a fork the hook did not see (it always should)
             self._reset()
         with self._cond:
+            now = time.monotonic()
+            # The mean gap between messages (weighing the last ones most), capped at ``linger``:
+            # one pause counts as a slow pace at once, and a few quick ones as a fast one.
+            gap = self._gap * (1 - GAP_WEIGHT) + (now - self._arrived) * GAP_WEIGHT
+            self._gap = min(gap, self.linger)
+            self._arrived = now
             self._queue.append(message)
             if self._thread is None or not self._thread.is_alive():
                 self._start_thread()
@@ -329,14 +339,12 @@ class Publisher:
             except Exception:  # never let the thread die: the relay covers what was not sent
                 log.exception("durable: publishing %d message(s) failed; the relay sends them", len(batch))
             finally:
-                self._last_sent = time.monotonic()
                 self._done(batch)
 
     def _linger(self, cond: threading.Condition) -> None:
-        """While messages keep coming (one arrived within ``linger`` of the last send), wait
-        up to ``linger`` for more, so one batch carries them; a start after a quiet spell of
-        ``linger`` is sent at once."""
-        if not self.linger or time.monotonic() - self._last_sent > self.linger:
+        """While messages come fast (their mean gap under a tenth of ``linger``), wait up to
+        ``linger`` for more, so one batch carries them; at a slower pace each goes at once."""
+        if not self.linger or self._gap > self.linger * FAST_PACE:
             return
         deadline = time.monotonic() + self.linger
         while len(self._queue) < BATCH and not (self._hurry or self._stopping):

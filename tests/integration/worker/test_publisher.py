@@ -342,7 +342,8 @@ def test_a_steady_stream_goes_out_in_batches_and_a_lone_start_at_once(pg_url, br
     assert sizes[0][1] == 1 and sizes[0][0] - began < 0.9  # a start after a quiet spell: at once
     stream = [durable.start("ship", {"order": n}, key=f"s-{n}") for n in range(1, 31)]
     assert durable.flush(timeout=10)
-    assert sum(n for _, n in sizes[1:]) == 30 and len(sizes) - 1 <= 3  # they shared round trips
+    # The first few set the pace (each goes at once), then they share round trips.
+    assert sum(n for _, n in sizes[1:]) == 30 and len(sizes) - 1 <= 8, sizes
     assert sorted(sent_run_ids(durable.app, queue)) == sorted([lone, *stream])
     delete_queue(durable.app, queue)
     durable.db.dispose()
