@@ -147,6 +147,10 @@ runs = Table(
     Column("flow_wait", String(16)),
     # What the running step last said of its progress (current_run().set_progress): small JSON.
     Column("progress", Json),
+    # The run's tags ({"tenant": "acme"}: string keys and values, copied to its children and to
+    # the runs retry, rerun and fork make), and the run it was forked from (durable.fork).
+    Column("tags", Json),
+    Column("forked_from", String(36)),
     Column("created_at", Timestamp, nullable=False),
     Column("started_at", Timestamp),
     Column("finished_at", Timestamp),
@@ -192,6 +196,20 @@ runs = Table(
     # begins in the throttle window, its runs not yet begun, its starts in the rate-limit window,
     # and every parked run (metrics, the upkeep's pass).
     *FLOW_INDEXES,
+    # Tagged runs by containment (tags @> '{...}'); PostgreSQL only: SQLite cannot index it.
+    Index(
+        "ix_durable_runs_tags",
+        "tags",
+        postgresql_using="gin",
+        postgresql_ops={"tags": "jsonb_path_ops"},
+        postgresql_where=text("tags IS NOT NULL"),
+    ).ddl_if(dialect="postgresql"),
+    Index(
+        "ix_durable_runs_forked_from",
+        "forked_from",
+        postgresql_where=text("forked_from IS NOT NULL"),
+        sqlite_where=text("forked_from IS NOT NULL"),
+    ),
     Index(
         "ix_durable_runs_locked",
         "heartbeat_at",
@@ -381,10 +399,16 @@ for _ddl in RUNS_TRIGGERS:
     event.listen(metadata, "after_create", DDL(_ddl).execute_if(dialect="postgresql"))
 
 
+POSTGRES_ONLY_INDEXES = ("ix_durable_runs_tags",)  # containment: SQLite cannot index it
+
+
 def compare_filter(dialect: str) -> Callable[[Any, str | None, str, bool, Any], bool]:
-    """For Alembic's compare_metadata: leave out the foreign keys PostgreSQL does not have."""
+    """For Alembic's compare_metadata: leave out the foreign keys PostgreSQL does not have, and
+    the indexes made for PostgreSQL only on SQLite."""
 
     def include(obj: Any, _name: str | None, type_: str, _reflected: bool, _compare_to: Any) -> bool:
+        if type_ == "index" and dialect == "sqlite" and _name in POSTGRES_ONLY_INDEXES:
+            return False
         if type_ == "foreign_key_constraint" and dialect != "sqlite":
             return not any(ref.column.table is runs for ref in getattr(obj, "elements", ()))
         return True

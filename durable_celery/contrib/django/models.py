@@ -162,6 +162,8 @@ class DurableRun(ReadOnlyModel):
     rate_key = models.CharField(max_length=255, null=True)
     flow_wait = models.CharField(max_length=16, null=True)
     progress = models.JSONField(null=True)
+    tags = models.JSONField(null=True)
+    forked_from = models.CharField(max_length=36, null=True)
     created_at = models.DateTimeField("created")
     started_at = models.DateTimeField("started", null=True)
     finished_at = models.DateTimeField("finished", null=True)
