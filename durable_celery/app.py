@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 
 from .capabilities import Capability, of_backend
-from .core import answers, atomic, control
+from .core import answers, atomic, control, forks
 from .core.engine import Engine
 from .core.runs import backoff
 from .core.runtime import Outbox, Runtime
@@ -212,13 +212,17 @@ class Durable(ScheduleMethods):
         key: str | None = None,
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
+        tags: Mapping[str, str] | None = None,
     ) -> str:
         """Start a run and return its id, or the id the key's holder answers with.
 
         The first step is published once the transaction commits; with ``connection`` the
         run is written in the caller's open transaction and goes out after their commit.
+        ``tags`` (str to str) are kept with the run, its children and its reruns and forks.
         """
-        return self.starter.start(workflow, input, key=key, on_duplicate=on_duplicate, connection=connection)
+        return self.starter.start(
+            workflow, input, key=key, on_duplicate=on_duplicate, connection=connection, tags=tags
+        )
 
     def result(self, run_id: str, timeout: float | None = None) -> Any:
         """Wait for run ``run_id`` to end and return its output; RunFailed, RunCancelled, or
@@ -233,11 +237,13 @@ class Durable(ScheduleMethods):
         key: str | None = None,
         on_duplicate: str | SendEvent | None = None,
         timeout: float | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> Any:
         """``start``, then ``result``: a held key's holder answers with its own output."""
         answers.refuse_inside_step("execute")
         answers.check_timeout(timeout)
-        return self.result(self.start(workflow, input, key=key, on_duplicate=on_duplicate), timeout)
+        run_id = self.start(workflow, input, key=key, on_duplicate=on_duplicate, tags=tags)
+        return self.result(run_id, timeout)
 
     async def astart(
         self,
@@ -247,10 +253,11 @@ class Durable(ScheduleMethods):
         key: str | None = None,
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
+        tags: Mapping[str, str] | None = None,
     ) -> str:
         """``start`` without blocking the event loop; ``connection``: an AsyncConnection or
         AsyncSession whose open transaction the start joins."""
-        start = partial(self.start, workflow, input, key=key, on_duplicate=on_duplicate)
+        start = partial(self.start, workflow, input, key=key, on_duplicate=on_duplicate, tags=tags)
         if connection is None:
             return await asyncio.to_thread(start)
         return await connection.run_sync(lambda sync: start(connection=sync))  # type: ignore[no-any-return]
@@ -271,11 +278,12 @@ class Durable(ScheduleMethods):
         key: str | None = None,
         on_duplicate: str | SendEvent | None = None,
         timeout: float | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> Any:
         """``execute`` without blocking the event loop."""
         answers.refuse_inside_step("aexecute")
         answers.check_timeout(timeout)
-        run_id = await self.astart(workflow, input, key=key, on_duplicate=on_duplicate)
+        run_id = await self.astart(workflow, input, key=key, on_duplicate=on_duplicate, tags=tags)
         return await self.aresult(run_id, timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -343,6 +351,20 @@ class Durable(ScheduleMethods):
     def rerun(self, run_id: str) -> str:
         """Start a fresh copy of a finished run with its input and key; KeyTaken if held."""
         return control.rerun(self.runtime, run_id)
+
+    def fork(
+        self,
+        run_id: str,
+        from_step: str | int,
+        *,
+        input: Mapping[str, Any] | None = None,
+        context: Mapping[str, Any] | None = None,
+        key: Any = forks.KEEP,
+    ) -> str:
+        """A new run of finished run ``run_id`` that begins at ``from_step`` (a name or index) on
+        today's definition, with the context that step found (or ``context``); its id. It takes
+        the original's key only if free (KeyTaken otherwise); ``key=None`` runs it unkeyed."""
+        return forks.fork(self.runtime, run_id, from_step, input=input, context=context, key=key)
 
     def release_key(self, run_id: str, by: str | None = None) -> None:
         """Free a finished run's key (NotFinished, NoKey otherwise); ``by`` is recorded."""

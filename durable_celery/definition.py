@@ -332,12 +332,15 @@ class Workflow:
         key: str | None = None,
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
+        tags: Mapping[str, str] | None = None,
     ) -> str:
         """Start a run of this workflow; returns the run id (see ``Durable.start``)."""
         registry = self.bound()
         if registry.starter is None:
             raise NotConfigured(f"workflow {self.name!r} belongs to a Durable that cannot start runs")
-        return registry.starter.start(self, input, key=key, on_duplicate=on_duplicate, connection=connection)
+        return registry.starter.start(
+            self, input, key=key, on_duplicate=on_duplicate, connection=connection, tags=tags
+        )
 
     def bound(self) -> Registry:
         """The registry of the Durable this workflow belongs to: its own, or for a shared
@@ -440,6 +443,7 @@ class Starter(Protocol):
         key: str | None = None,
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
+        tags: Mapping[str, str] | None = None,
     ) -> str:
         """Start a run; returns its id or the key's holder's."""
         ...

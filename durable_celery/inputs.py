@@ -112,3 +112,29 @@ def same_json(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and bool(a == b)
+
+
+MAX_TAGS = 20  # tags on one run
+MAX_TAG_NAME = 64  # characters of a tag's name
+MAX_TAG_VALUE = 200  # characters of a tag's value
+
+
+def check_tags(tags: Any) -> dict[str, str] | None:
+    """A run's tags as a dict of str to str (None for none), or InvalidStart: at most
+    ``MAX_TAGS``, names of 1 to ``MAX_TAG_NAME`` characters, values of up to ``MAX_TAG_VALUE``."""
+    if tags is None:
+        return None
+    if not isinstance(tags, Mapping):
+        raise InvalidStart(f"tags must be a mapping of str to str, not {type(tags).__name__}")
+    if len(tags) > MAX_TAGS:
+        raise InvalidStart(f"a run takes at most {MAX_TAGS} tags, not {len(tags)}")
+    for name, value in tags.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_TAG_NAME:
+            raise InvalidStart(f"a tag's name is a str of 1 to {MAX_TAG_NAME} characters, not {name!r}")
+        if not isinstance(value, str) or len(value) > MAX_TAG_VALUE:
+            raise InvalidStart(
+                f"tag {name!r}: a value is a str of up to {MAX_TAG_VALUE} characters, not {value!r:.80}"
+            )
+        if "\x00" in name + value:
+            raise InvalidStart(f"tag {name!r}: a NUL character cannot be stored")
+    return dict(tags) or None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -38,6 +38,10 @@ class Run:
     finished_at: datetime | None
     # What the running step last said of its progress (current_run().set_progress), or None.
     progress: Any = None
+    # Its tags (str to str; copied to its children and to the runs rerun and fork make), and
+    # the run it was forked from (durable.fork).
+    tags: dict[str, str] = field(default_factory=dict)
+    forked_from: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -49,6 +53,7 @@ class Run:
         """Build from a ``durable_runs`` row."""
         data = row._mapping
         values = {f.name: data[f.name] for f in fields(cls)}
+        values["tags"] = values["tags"] or {}
         for name in ("created_at", "started_at", "finished_at"):
             values[name] = aware(values[name])
         return cls(**values)

@@ -114,7 +114,9 @@ def _start_children(
 ) -> list[Any]:
     """The children at ``wanted`` refs, starting those that do not exist yet (one transaction)."""
     rt = run._active.engine.rt
-    prepared = {ref: _prepare(rt, run, ref, *call, context) for ref, call in wanted.items()}
+    with rt.db.engine.connect() as conn:  # the children carry the run's tags
+        tags = child_rows.tags_of(conn, run.id)
+    prepared = {ref: _prepare(rt, run, ref, *call, context, tags) for ref, call in wanted.items()}
     for _ in range(2):  # a second pass only if a twin of this step inserted the same refs
         try:
             with rt.db.begin() as conn:
@@ -138,13 +140,14 @@ def _prepare(
     input: Mapping[str, Any] | None,
     key: str | None,
     context: Mapping[str, Any] | None,
+    tags: dict[str, str] | None,
 ) -> tuple[Workflow, dict[str, Any]]:
     wf = rt.registry.resolve(workflow)
     data = check_input(input, rt.settings.max_input_bytes)
     child_key = wf.derive_key(data, key)
     if child_key is not None:
         rt.require(Capability.IDEMPOTENCY_KEY, "child", "key", wf.name)
-    child = new_run(rt.default_queue(), wf, data, child_key)
+    child = new_run(rt.default_queue(), wf, data, child_key, tags)
     child.update(parent_id=run.id, parent_ref=ref, context=dict(context or {}))
     return wf, child
 

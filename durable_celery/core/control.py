@@ -143,7 +143,7 @@ def rerun(rt: Runtime, run_id: str) -> str:
         raise NotFinished(f"run {run_id} is {run.status}")
     workflow = rt.registry.resolve(run.workflow)
     data = check_input(run.input, rt.settings.max_input_bytes)  # as start checks it
-    fresh = new_run(rt.default_queue(), workflow, data, workflow.derive_key(data, run.key))
+    fresh = new_run(rt.default_queue(), workflow, data, workflow.derive_key(data, run.key), run.tags)
     rt.instrumentation.stamp_run(workflow, fresh)
     decision = start_run(rt, workflow, fresh, "error", fold=False)
     after_commit(rt, decision)

@@ -298,6 +298,8 @@ class Engine(AtomicSteps, StepWrites):
             "finished_at": self.db.utcnow(),
             "logs": outcome.logs,  # log capture (logs.py)
         }
+        if row.context:  # what the attempt found: a fork from this step starts with it
+            step_row["context"] = row.context
         run_values, status = outcomes.after_step(self.rt.settings, workflow, step, row, ctx.context, outcome)
         if "step_index" in run_values:  # the run's queue is its next step's (queue stats, pausing)
             run_values["queue"] = queue_of(self.rt.default_queue(), workflow, run_values["step_index"])

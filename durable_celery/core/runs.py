@@ -44,9 +44,15 @@ def new_run_id() -> str:
     return str(uuid.UUID(int=value))
 
 
-def new_run(default_queue: str, wf: Workflow, data: dict[str, Any], key: str | None) -> dict[str, Any]:
+def new_run(
+    default_queue: str,
+    wf: Workflow,
+    data: dict[str, Any],
+    key: str | None,
+    tags: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """A new run's row; InvalidStart if a step cannot take ``data`` (every path that makes
-    a run comes here before it writes: start, rerun, children, schedule fires)."""
+    a run comes here before it writes: start, rerun, fork, children, schedule fires)."""
     wf.check_fits(data)
     run = {
         "id": new_run_id(),
@@ -62,6 +68,8 @@ def new_run(default_queue: str, wf: Workflow, data: dict[str, Any], key: str | N
         "queue": queue_of(default_queue, wf, 0),
     }
     run.update((column, value) for column, value in wf.flow_keys(data).items() if value is not None)
+    if tags:
+        run["tags"] = tags
     if wf.timeout and not (wf.debounce and key is not None):
         run["deadline_at"] = Clock(wf.timeout)
     if wf.debounce and key is not None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..capabilities import Capability
 from ..definition import SendEvent, Workflow, check_on_duplicate
-from ..inputs import check_input
+from ..inputs import check_input, check_tags
 from . import atomic
 from .control import after_commit
 from .eager import run_eagerly
@@ -39,17 +39,19 @@ class Starter:
         key: str | None = None,
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
+        tags: Mapping[str, str] | None = None,
     ) -> str:
         """Start a run and return its id, or the id the key's holder answers with."""
         rt = self.rt
         wf = rt.registry.resolve(workflow)
         data = check_input(input, rt.settings.max_input_bytes)
+        run_tags = check_tags(tags)
         run_key = wf.derive_key(data, key)
         policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate, wf)
         if connection is None:  # inside an atomic step, or the caller's ambient transaction
             connection = atomic.current() or (self.ambient() if self.ambient is not None else None)
         self._check(wf, run_key, policy, connection)
-        run = new_run(rt.default_queue(), wf, data, run_key)
+        run = new_run(rt.default_queue(), wf, data, run_key, run_tags)
         rt.instrumentation.stamp_run(wf, run)  # the run's trace (tracing.py)
         if connection is not None:
             return start_in_callers_transaction(rt, connection, wf, run, policy)

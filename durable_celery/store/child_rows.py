@@ -85,3 +85,8 @@ def due_if_any_finished_txn(db: Database, conn: Connection, run_id: str, child_i
     seen = conn.execute(query).all()
     if len(seen) < len(wanted) or any(row.finished_at is not None for row in seen):
         conn.execute(update(runs).where(runs.c.id == run_id).values(due_at=db.now()))
+
+
+def tags_of(conn: Connection, run_id: str) -> dict[str, str] | None:
+    """The run's tags (None for none): what its children are started with."""
+    return conn.execute(select(runs.c.tags).where(runs.c.id == run_id)).scalar()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, update
+from typing import Any
+
+from sqlalchemy import Connection, select, update
 
 from .db import Database
-from .schema import runs
+from .schema import runs, steps
 
 
 def resume_failed_txn(db: Database, conn: Connection, run_id: str, started: bool, attempt: int) -> bool:
@@ -30,3 +32,16 @@ def resume_failed_txn(db: Database, conn: Connection, run_id: str, started: bool
         )
     )
     return bool(resumed.rowcount == 1)
+
+
+def context_found(conn: Connection, run_id: str, step_index: int) -> tuple[Any] | None:
+    """The context the run's last attempt of step ``step_index`` found, as a 1-tuple (its value
+    None when it was empty), or None when the step never ran."""
+    query = (
+        select(steps.c.context)
+        .where(steps.c.run_id == run_id, steps.c.step_index == step_index, steps.c.phase == "step")
+        .order_by(steps.c.attempt.desc())
+        .limit(1)
+    )
+    row = conn.execute(query).first()
+    return None if row is None else (row.context,)

@@ -232,6 +232,9 @@ steps = Table(
     Column("input", Json),
     Column("output", Json),
     Column("error", Json),
+    # The run's context as this attempt found it (NULL when empty): a fork from the step starts
+    # with it (durable.fork).
+    Column("context", Json),
     Column("worker", String(255)),
     # Log records the attempt emitted (see log capture), with their OpenTelemetry fields.
     Column("logs", Json),

@@ -210,6 +210,7 @@ class DurableStep(ReadOnlyModel):
     input = models.JSONField(null=True)
     output = models.JSONField(null=True)
     error = models.JSONField(null=True)
+    context = models.JSONField(null=True)
     worker = models.CharField(max_length=255, null=True)
     logs = models.JSONField(null=True)
     started_at = models.DateTimeField("started")

@@ -1,4 +1,5 @@
-"""The read-only run model learns the tags and forked_from columns (revision 0008): state only."""
+"""The read-only models learn revision 0008's columns (a run's tags and forked_from, a step's
+context): state only."""
 
 from django.db import migrations, models
 
@@ -8,4 +9,5 @@ class Migration(migrations.Migration):
     operations = [
         migrations.AddField("durablerun", "tags", models.JSONField(null=True)),
         migrations.AddField("durablerun", "forked_from", models.CharField(max_length=36, null=True)),
+        migrations.AddField("durablestep", "context", models.JSONField(null=True)),
     ]

@@ -1,7 +1,8 @@
-"""run tags and forks: a run's tags (small string pairs, searched by containment) and the run it
-was forked from
+"""run tags and forks: a run's tags (small string pairs, searched by containment), the run it
+was forked from, and the context each step attempt found (what a fork from that step starts with)
 
-Two nullable columns (no rewrite of durable_runs) and two partial indexes built CONCURRENTLY:
+Three nullable columns (no rewrite of durable_runs or durable_steps) and two partial indexes
+built CONCURRENTLY:
 a GIN index over the tags of tagged runs (PostgreSQL; ``tags @> '{...}'``), and the forks of a
 run. Runs without tags or fork are in neither index.
 
@@ -31,6 +32,11 @@ def upgrade() -> None:
             batch_op.add_column(sa.Column("tags", sa.JSON().with_variant(postgresql.JSONB(), "postgresql")))
         if "forked_from" not in present:
             batch_op.add_column(sa.Column("forked_from", sa.String(length=36), nullable=True))
+    if "context" not in {column["name"] for column in sa.inspect(op.get_bind()).get_columns("durable_steps")}:
+        with op.batch_alter_table("durable_steps", schema=None) as batch_op:
+            batch_op.add_column(
+                sa.Column("context", sa.JSON().with_variant(postgresql.JSONB(), "postgresql"))
+            )
     postgres = op.get_bind().dialect.name == "postgresql"
     with op.get_context().autocommit_block():
         for name in _invalid_indexes():
@@ -78,6 +84,8 @@ def downgrade() -> None:
     with op.get_context().autocommit_block():
         for name in (TAGS_INDEX, FORKS_INDEX):
             op.drop_index(name, table_name="durable_runs", postgresql_concurrently=True, if_exists=True)
+    with op.batch_alter_table("durable_steps", schema=None) as batch_op:
+        batch_op.drop_column("context")
     with op.batch_alter_table("durable_runs", schema=None) as batch_op:
         batch_op.drop_column("forked_from")
         batch_op.drop_column("tags")
