@@ -16,6 +16,8 @@ from celery import Celery
 
 from .capabilities import Capability, of_backend
 from .core import answers, atomic, control, forks
+from .core import bulk as bulk_actions
+from .core.bulk import BulkReport
 from .core.engine import Engine
 from .core.runs import backoff
 from .core.runtime import Outbox, Runtime
@@ -365,6 +367,24 @@ class Durable(ScheduleMethods):
         today's definition, with the context that step found (or ``context``); its id. It takes
         the original's key only if free (KeyTaken otherwise); ``key=None`` runs it unkeyed."""
         return forks.fork(self.runtime, run_id, from_step, input=input, context=context, key=key)
+
+    def bulk(
+        self,
+        action: str,
+        *,
+        dry_run: bool = False,
+        from_step: str | int | None = None,
+        by: str | None = None,
+        progress: Callable[[str], None] | None = None,
+        **filters: Any,
+    ) -> BulkReport:
+        """``retry``, ``cancel``, ``rerun`` or ``fork`` (``from_step``) every run the filters of
+        ``list_runs`` name, in pages, each run in its own transaction; the counts (``dry_run``:
+        what it would do). Run again, it skips what it did."""
+        where = bulk_actions.run_filter(**filters)
+        return bulk_actions.bulk(
+            self.runtime, action, where, dry_run=dry_run, from_step=from_step, by=by, progress=progress
+        )
 
     def release_key(self, run_id: str, by: str | None = None) -> None:
         """Free a finished run's key (NotFinished, NoKey otherwise); ``by`` is recorded."""

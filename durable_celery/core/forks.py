@@ -35,6 +35,7 @@ def fork(
     context: Mapping[str, Any] | None = None,
     key: Any = KEEP,
     by: str | None = None,
+    origin: str | None = None,
 ) -> str:
     """Start a run at ``from_step`` of finished run ``run_id``'s workflow; its id. The fork takes
     the original's key (``key=KEEP``) only if it is free (else KeyTaken), another key, or none
@@ -62,7 +63,7 @@ def fork(
     decision = start_run(rt, workflow, fresh, "error", fold=False)
     if decision.created:
         with rt.db.begin() as conn:
-            details = {"fork": decision.run_id, "from_step": step.name, "by": by}
+            details = {"fork": decision.run_id, "from_step": step.name, "by": by, "origin": origin}
             activity_rows.record_txn(rt.db, conn, "forked", run_id, run.workflow, run.key, details)
     after_commit(rt, decision)
     return decision.run_id

@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import Connection, select, update
 
 from .db import Database
-from .schema import runs, steps
+from .schema import activity, runs, steps
 
 
 def resume_failed_txn(db: Database, conn: Connection, run_id: str, started: bool, attempt: int) -> bool:
@@ -45,3 +45,13 @@ def context_found(conn: Connection, run_id: str, step_index: int) -> tuple[Any] 
     )
     row = conn.execute(query).first()
     return None if row is None else (row.context,)
+
+
+def acted_before(conn: Connection, run_id: str, kind: str, origin: str) -> bool:
+    """Has an action from ``origin`` (a bulk action) already left a ``kind`` entry on the run?"""
+    query = select(activity.c.id).where(
+        activity.c.run_id == run_id,
+        activity.c.kind == kind,
+        activity.c.details["origin"].as_string() == origin,
+    )
+    return conn.execute(query.limit(1)).first() is not None
