@@ -15,6 +15,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from ..app import STATUSES, Durable
 from ..errors import DatabaseUnavailable, DurableError, NotConfigured, SchemaOutdated
 from ..worker.app_argument import app_argument
+from . import bulk as cli_bulk
 from . import flow as cli_flow
 from . import observe as cli_observe
 from . import ops as cli_ops
@@ -399,5 +400,6 @@ for command in (
     cli_web.web,
     cli_vacuum.tune_vacuum,
     cli_flow.flow,
+    cli_bulk.bulk,
 ):
     durable.add_command(command)
