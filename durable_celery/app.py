@@ -9,6 +9,7 @@ import os
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from datetime import datetime
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any
 
@@ -315,16 +316,20 @@ class Durable(ScheduleMethods):
         key: str | None = None,
         status: str | None = None,
         limit: int = 100,
+        *,
+        tags: Mapping[str, str] | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        error_type: str | None = None,
+        key_prefix: str | None = None,
     ) -> list[Run]:
-        """Runs matching the filters, newest first."""
-        statuses = [status] if isinstance(status, str) else status
-        for value in statuses or ():
-            if value not in STATUSES:
-                raise InvalidArgument(f"unknown status {value!r}; one of {STATUSES}")
+        """Runs matching the filters, newest first: ``tags`` (every one), created in
+        [``since``, ``until``), failed with ``error_type``, keys starting with ``key_prefix``."""
+        where = bulk_actions.run_filter(workflow, status, key, key_prefix, tags, since, until, error_type)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidArgument(f"limit must be a positive int, not {limit!r}")
         with self.db.engine.connect() as conn:
-            rows = queries.fetch_runs(conn, workflow=workflow, key=key, status=statuses, limit=limit)
+            rows = queries.fetch_runs(conn, *where.conditions(self.db), limit=limit)
         return [Run.from_row(r) for r in rows]
 
     def list_steps(self, run_id: str) -> list[StepRecord]:

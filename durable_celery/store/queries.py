@@ -74,23 +74,14 @@ def fetch_run(conn: Connection, run_id: str, lock: bool = False) -> Row[Any] | N
 
 def fetch_runs(
     conn: Connection,
-    *,
-    workflow: str | None = None,
-    key: str | None = None,
-    status: Sequence[str] | None = None,
+    *where: Any,
     parent_id: str | None = None,
     limit: int,
 ) -> Sequence[Any]:
-    """Runs matching the filters (``status``: any of these), newest first."""
-    query = select(runs, _HOLDS_KEY)
+    """Runs matching the conditions (store/run_filters.py) or children of ``parent_id``, newest first."""
+    query = select(runs, _HOLDS_KEY).where(*where)
     if parent_id is not None:
         query = query.where(runs.c.parent_id == parent_id)
-    if workflow is not None:
-        query = query.where(runs.c.workflow == workflow)
-    if key is not None:
-        query = query.where(runs.c.key == key)
-    if status is not None:
-        query = query.where(runs.c.status.in_(list(status)))
     query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit)
     return conn.execute(query).all()
 

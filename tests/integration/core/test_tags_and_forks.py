@@ -138,3 +138,44 @@ def test_a_fork_is_refused_for_a_step_that_is_gone_and_for_a_run_still_going(dur
     with pytest.raises(InvalidStart, match="never ran step 'fifth'"):
         durable.fork(going, "fifth", key=None)  # its context is not known: give context=
     assert durable.get_run(durable.fork(going, "fifth", context={"x": "y"}, key=None)).context == {"x": "y"}
+
+
+def test_list_runs_filters_by_tags_time_error_type_and_key_prefix(durable: Any) -> None:
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from durable_celery.errors import InvalidArgument
+    from durable_celery.store.schema import runs
+
+    wf = durable.workflow("listed", key="order:{n}")
+
+    @wf.step
+    def go(n: int) -> None:
+        if n % 2:
+            raise ConnectionError("down") if n % 3 else TimeoutError("slow")
+
+    made = {}
+    for n in range(6):
+        made[n] = durable.start(wf, {"n": n}, tags={"tenant": "acme" if n < 3 else "globex", "n": str(n)})
+        durable.run_message("listed", 0, made[n])
+    now = durable.db.utcnow()
+    with durable.db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == made[0]).values(created_at=now - timedelta(days=2)))
+
+    def ids(**filters: Any) -> set[int]:
+        return {n for n, run_id in made.items() if run_id in {r.id for r in durable.list_runs(**filters)}}
+
+    assert ids(tags={"tenant": "acme"}) == {0, 1, 2}
+    assert ids(tags={"tenant": "acme", "n": "1"}) == {1}
+    assert ids(tags={"tenant": "nobody"}) == set()
+    assert ids(since=now - timedelta(days=1)) == {1, 2, 3, 4, 5}
+    assert ids(until=now - timedelta(days=1)) == {0}
+    assert ids(error_type="ConnectionError") == {1, 5}
+    assert ids(error_type="TimeoutError", status="failed") == {3}
+    assert ids(key_prefix="order:") == set(made) and ids(key_prefix="order:1") == {1}
+    assert ids(key_prefix="order_") == set()  # "_" is a character, not a wildcard
+    with pytest.raises(InvalidArgument, match="timezone"):
+        durable.list_runs(since=now.replace(tzinfo=None))
+    with pytest.raises(InvalidArgument, match="unknown status"):
+        durable.list_runs(status="lost")
