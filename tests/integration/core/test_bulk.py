@@ -184,3 +184,19 @@ def _race(durable: Any, wf: Any, ids: list[str]) -> tuple[Any, list[str], list[i
         for thread in threads:
             thread.join(30)
     return report, started, seen
+
+
+def test_a_bulk_action_walks_its_runs_in_pages_and_says_how_far_it_got(
+    durable: Any, monkeypatch: Any
+) -> None:
+    from durable_celery.core import bulk as bulk_actions
+
+    monkeypatch.setattr(bulk_actions, "BATCH", 7)
+    wf = durable.workflow("paged")
+    wf.step(lambda n: n, name="only")
+    ids = [durable.start(wf, {"n": n}, tags={"page": "yes"}) for n in range(30)]
+    said: list[str] = []
+    report = durable.bulk("cancel", tags={"page": "yes"}, progress=said.append)
+    assert (report.matched, report.acted) == (30, 30)
+    assert said == [f"{n:,} of 30 runs looked at" for n in (7, 14, 21, 28, 30)]
+    assert {durable.get_run(r).status for r in ids} == {"cancelled"}
