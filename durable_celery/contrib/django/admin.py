@@ -19,7 +19,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import flatten_fieldsets, quote
-from django.db.models import Exists, OuterRef, QuerySet
+from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
@@ -29,6 +29,7 @@ from django.utils.safestring import mark_safe
 
 from ...errors import DurableError
 from ...observe.activity import key_blocks
+from .admin_filters import KeyFilter, TagFilter
 from .durable import DEFAULT_ALIAS, DjangoDurable, durable_for
 from .models import DurableActivity, DurableKey, DurableRun, DurableSchedule, DurableStep
 
@@ -231,30 +232,6 @@ def _ids(queryset: QuerySet[Any]) -> Iterable[str]:
     return queryset.order_by().values_list("pk", flat=True).iterator()
 
 
-class KeyFilter(admin.SimpleListFilter):
-    """Runs by key: those with one key (``?key=...``, as each key in the list links), those
-    holding their key, those that hold it no more, those started without one."""
-
-    title = "key"
-    parameter_name = "key_is"
-    states = (("holding", "holding its key"), ("released", "not holding its key"), ("none", "no key"))
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> Any:
-        """The three states of a run's key."""
-        return self.states
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        """The runs in the chosen state."""
-        holds = Exists(DurableKey.objects.filter(holder_id=OuterRef("pk")))
-        if self.value() == "holding":
-            return queryset.filter(holds)
-        if self.value() == "released":
-            return queryset.filter(key__isnull=False).exclude(holds)
-        if self.value() == "none":
-            return queryset.filter(key__isnull=True)
-        return queryset
-
-
 class ReadOnlyInline(admin.TabularInline):  # type: ignore[type-arg]
     """Rows of a run shown on its page: history, never added, changed or deleted there."""
 
@@ -330,18 +307,18 @@ class DurableRunAdmin(ReadOnlyAdmin):
         "total",
         "created",
     )
-    list_filter = ("workflow", "status", KeyFilter)
+    list_filter = ("workflow", "status", KeyFilter, TagFilter, ("created_at", admin.DateFieldListFilter))
     search_fields = ("=id", "key")
     ordering = ("-created_at",)
     show_full_result_count = False
     inlines = (StepInline, ActivityInline)
     actions = ("cancel_runs", "retry_runs", "rerun_runs", "release_keys")
     fieldsets = (
-        (None, {"fields": ("id", "workflow", "status", "key", "holds_key", "error_text")}),
+        (None, {"fields": ("id", "workflow", "status", "key", "holds_key", "tags_json", "error_text")}),
         ("Data", {"fields": ("input_json", "context_json", "output_json", "progress_json")}),
         ("Progress", {"fields": ("step_index", "step_name", "attempt", "queue", "wait_name", "wait_until")}),
         ("Times", {"fields": ("created", "started", "finished", "queued", "running", "total", "deadline")}),
-        ("Relations", {"fields": ("parent", "parent_ref", "runs_after")}),
+        ("Relations", {"fields": ("parent", "parent_ref", "runs_after", "forked_from_link")}),
         (
             "Internals",
             {
@@ -377,6 +354,8 @@ class DurableRunAdmin(ReadOnlyAdmin):
     context_json = _column("context", "context", _json)
     output_json = _column("output", "output", _json)
     progress_json = _column("progress", "progress", _json)
+    tags_json = _column("tags", "tags", _json)
+    forked_from_link = _column("forked from", "forked_from", _run_link)
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         """The run's fields; its dashboard link first when ``CELERY_DURABLE_DASHBOARD_URL`` is set."""
