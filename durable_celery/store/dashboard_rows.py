@@ -50,7 +50,7 @@ def failed_since(conn: Connection, since: datetime) -> dict[str, int]:
 
 def page_of_runs(
     conn: Connection,
-    *,
+    *where: Any,
     workflow: str | None,
     status: str | None,
     key: str | None,
@@ -63,7 +63,7 @@ def page_of_runs(
     A key alone is looked up per known workflow (the key index leads with the workflow); with no
     filter the time-ordered primary key gives the order.
     """
-    query = select(runs, HOLDS_KEY)
+    query = select(runs, HOLDS_KEY).where(*where)  # the page's other filters (run_filters.py)
     if workflow is not None:
         query = query.where(runs.c.workflow == workflow)
     elif key is not None:
@@ -72,7 +72,7 @@ def page_of_runs(
         query = query.where(runs.c.key == key)
     if status is not None:
         query = query.where(runs.c.status == status)
-    if workflow is None and key is None and status is None:
+    if (workflow is None and key is None and status is None) or where:  # ids grow with time
         query = query.order_by(runs.c.id.desc())
     else:
         query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc())

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from ..errors import DurableError, InvalidArgument
+from .bulk import bulk_action
 
 if TYPE_CHECKING:
     from ..app import Durable
@@ -17,7 +18,7 @@ RUN_ACTIONS = ("cancel", "retry", "rerun", "release-key", "event", "input")
 QUEUE_ACTIONS = ("pause", "resume")
 PATTERNS = [f"/runs/{{run_id}}/{a}" for a in RUN_ACTIONS]
 PATTERNS += [f"/queues/{{name:path}}/{a}" for a in QUEUE_ACTIONS]
-PATTERNS += ["/prune"]
+PATTERNS += ["/prune", "/runs/bulk"]
 
 
 class BadRequest(DurableError, ValueError):
@@ -29,6 +30,8 @@ def perform(
 ) -> Any:
     """Do ``action`` on the run or queue in ``params``; (page to show next, note). ``by`` (who:
     ``dashboard`` or ``api``) and ``origin`` (the client's address) go on the run's activity."""
+    if action == "bulk":
+        return bulk_action(durable, form, by, origin)
     if "run_id" in params:
         return run_action(durable, params["run_id"], action, form, by, origin)
     if "name" in params:

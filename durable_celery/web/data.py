@@ -16,6 +16,7 @@ from ..store import activity_rows, dashboard_rows, flow_reads, observe_rows
 from ..store.db import masked_url
 from ..store.schema import UNFINISHED
 from . import why
+from .bulk import filter_of
 
 if TYPE_CHECKING:
     from ..app import Durable
@@ -155,8 +156,10 @@ def runs_page(durable: Durable, params: dict[str, Any]) -> dict[str, Any]:
             exists = dashboard_rows.run_exists(conn, found["run_id"])
             return {"run_id": found["run_id"] if exists else None, "runs": [], "workflows": known}
         workflow, key = found.get("workflow", workflow), found.get("key", key)
+        extra = filter_of({k: params.get(k) for k in ("key_prefix", "tag", "since", "until", "error_type")})
         rows = dashboard_rows.page_of_runs(
             conn,
+            *extra.conditions(durable.db),
             workflow=workflow,
             status=status,
             key=key,
@@ -169,7 +172,13 @@ def runs_page(durable: Durable, params: dict[str, Any]) -> dict[str, Any]:
         "more": len(rows) > limit,
         "page": page,
         "limit": limit,
-        "filters": {"workflow": workflow, "status": status, "key": key, "q": params.get("q") or ""},
+        "filters": {
+            "workflow": workflow,
+            "status": status,
+            "key": key,
+            "q": params.get("q") or "",
+            **{k: params.get(k) or "" for k in ("key_prefix", "tag", "since", "until", "error_type")},
+        },
         "workflows": known,
     }
 

@@ -221,7 +221,7 @@ def test_json_api_reads(scene: Scene) -> None:
 
 def _every_action(scene: Scene) -> list[str]:
     paths = [p.replace("{run_id}", scene.held).replace("{name:path}", scene.queue) for p in actions.PATTERNS]
-    assert len(paths) == 9
+    assert len(paths) == 10  # the runs actions, the queue actions, prune and the bulk action
     return paths
 
 
