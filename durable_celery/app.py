@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from . import paging
 from .capabilities import Capability, of_backend
 from .core import answers, atomic, control, forks
 from .core import bulk as bulk_actions
@@ -34,7 +35,7 @@ from .schedules import fires as schedule_fires
 from .schedules.methods import ScheduleMethods
 from .settings import Settings
 from .store import migrate as migrations
-from .store import queries, replica_rows
+from .store import queries, replica_rows, run_filters
 from .store.db import Database
 from .store.schema import FINISHED, UNFINISHED
 from .worker import broker_reconnect, transport, upkeep
@@ -322,14 +323,16 @@ class Durable(ScheduleMethods):
         until: datetime | None = None,
         error_type: str | None = None,
         key_prefix: str | None = None,
+        after: str | None = None,
     ) -> list[Run]:
         """Runs matching the filters, newest first: ``tags`` (every one), created in
-        [``since``, ``until``), failed with ``error_type``, keys starting with ``key_prefix``."""
+        [``since``, ``until``), failed with ``error_type``, keys starting with ``key_prefix``;
+        ``after``: the next page, after the run with that id (the last one of a page)."""
         where = bulk_actions.run_filter(workflow, status, key, key_prefix, tags, since, until, error_type)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidArgument(f"limit must be a positive int, not {limit!r}")
+        limit, after = paging.check_limit(limit), paging.check_after(after)
         with self.db.engine.connect() as conn:
-            rows = queries.fetch_runs(conn, *where.conditions(self.db), limit=limit)
+            found = run_filters.conditions_at_volume(self.db, conn, where)
+            rows = queries.fetch_runs(conn, *found, after=after, limit=limit)
         return [Run.from_row(r) for r in rows]
 
     def list_steps(self, run_id: str) -> list[StepRecord]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from .bounded import no_jit
 from .db import Database
 from .schema import UNFINISHED, runs
 
@@ -42,15 +43,25 @@ def parent_state_txn(conn: Connection, parent_id: str) -> Any:
 
 
 def orphans(conn: Connection, limit: int) -> Sequence[Any]:
-    """Unfinished children of cancelled parents (a cancel cut short before reaching them)."""
+    """Unfinished children of cancelled parents (a cancel cut short before reaching them).
+
+    Read from the unfinished children (ix_durable_runs_unfinished_children: a few, however many
+    runs are kept), each joined to its parent by id; not from the cancelled runs, which grow
+    with history."""
     parent = runs.alias("parent")
     query = (
         select(runs.c.id, runs.c.workflow, runs.c.key, runs.c.status, runs.c.step_index, runs.c.parent_id)
         .join(parent, parent.c.id == runs.c.parent_id)
-        .where(runs.c.status.in_(UNFINISHED), parent.c.status == "cancelled")
+        .where(
+            runs.c.parent_id.is_not(None),
+            runs.c.finished_at.is_(None),
+            runs.c.status.in_(UNFINISHED),
+            parent.c.status == "cancelled",
+        )
         .order_by(runs.c.id)
         .limit(limit)
     )
+    no_jit(conn)
     return conn.execute(query).all()
 
 

@@ -7,8 +7,9 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, or_, select, update
 
+from .bounded import no_jit
 from .child_rows import CHILDREN_WAIT
-from .db import Database
+from .db import Database, constant
 from .queries import RELAYED
 from .schema import UNFINISHED, events, runs
 
@@ -44,6 +45,12 @@ def _behind_unfinished_holder() -> Any:
     )
 
 
+def _unwoken() -> tuple[Any, ...]:
+    """Waiting runs no worker holds and with no wake-up set: ix_durable_runs_unwoken's condition,
+    its status a constant in the SQL so that a prepared statement's generic plan uses it too."""
+    return (runs.c.status == constant("waiting"), runs.c.due_at.is_(None), runs.c.locked_by.is_(None))
+
+
 def unwakeable_waiting(conn: Connection, limit: int) -> Sequence[Any]:
     """Waiting runs with no timer and nothing to wait for: no event name, or a sleep without end.
 
@@ -52,9 +59,7 @@ def unwakeable_waiting(conn: Connection, limit: int) -> Sequence[Any]:
     query = (
         select(*_RUN_COLUMNS, runs.c.wait_name)
         .where(
-            runs.c.status == "waiting",
-            runs.c.locked_by.is_(None),
-            runs.c.due_at.is_(None),
+            *_unwoken(),
             runs.c.flow_wait.is_(None),  # parked for a concurrency slot (flow.py): a slot wakes it
             runs.c.wait_until.is_(None),
             or_(runs.c.wait_name.is_(None), runs.c.wait_name.startswith(SLEEP_PREFIX, autoescape=True)),
@@ -72,9 +77,7 @@ def missed_wakeups(conn: Connection, limit: int) -> Sequence[Any]:
     query = (
         select(*_RUN_COLUMNS, runs.c.wait_name)
         .where(
-            runs.c.status == "waiting",
-            runs.c.locked_by.is_(None),
-            runs.c.due_at.is_(None),
+            *_unwoken(),
             runs.c.flow_wait.is_(None),  # parked for a concurrency slot (flow.py): a slot wakes it
             runs.c.wait_name.is_not(None),
             _woken_by_now(),
@@ -82,6 +85,7 @@ def missed_wakeups(conn: Connection, limit: int) -> Sequence[Any]:
         .order_by(runs.c.created_at)
         .limit(limit)
     )
+    no_jit(conn)  # every worker's upkeep runs it every few seconds
     return conn.execute(query).all()
 
 

@@ -29,6 +29,7 @@ from sqlalchemy import (
     update,
 )
 
+from .bounded import no_jit
 from .db import Clock, Database
 from .queries import CLAIMABLE
 from .queue_rows import paused_exists
@@ -312,4 +313,5 @@ def parked_slot_keys(conn: Connection, limit: int, after: tuple[str, str] | None
     query = select(*pair).where(runs.c.flow_wait == _SLOT_SQL, runs.c.finished_at.is_(None))
     if after is not None:
         query = query.where(tuple_(*pair) > tuple_(literal(after[0]), literal(after[1])))
+    no_jit(conn)  # the upkeep's flow pass, on every worker
     return conn.execute(query.group_by(*pair).order_by(*pair).limit(limit)).all()

@@ -27,6 +27,7 @@ from sqlalchemy import (
 )
 
 from . import direct
+from .bounded import no_jit
 from .db import Clock, Database, one_of, shape
 from .queue_rows import paused_exists
 from .schema import keys, queues, runs, steps
@@ -76,13 +77,18 @@ def fetch_runs(
     conn: Connection,
     *where: Any,
     parent_id: str | None = None,
+    after: str | None = None,
     limit: int,
 ) -> Sequence[Any]:
-    """Runs matching the conditions (store/run_filters.py) or children of ``parent_id``, newest first."""
+    """Runs matching the conditions (store/run_filters.py) or children of ``parent_id``, newest
+    first by their time-ordered id (the primary key's order: no sort of every run); ``after``:
+    the page after the run with that id."""
     query = select(runs, _HOLDS_KEY).where(*where)
     if parent_id is not None:
         query = query.where(runs.c.parent_id == parent_id)
-    query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit)
+    if after is not None:
+        query = query.where(runs.c.id < after)
+    query = query.order_by(runs.c.id.desc()).limit(limit)
     return conn.execute(query).all()
 
 
@@ -360,6 +366,7 @@ def relay_candidates(
         .group_by(runs.c.queue)
         .having(func.max(case((_resend_due(db, relay_after), 1), else_=0)) == 1)
     )
+    no_jit(conn)  # the relay's pass, every poll_interval on every worker
     return conn.execute(query).all()
 
 
@@ -398,6 +405,7 @@ def take_due_runs_txn(
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
+    no_jit(conn)  # the relay's pass, every poll_interval on every worker
     return conn.execute(query).all()
 
 

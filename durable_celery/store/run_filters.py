@@ -59,6 +59,18 @@ def _tagged(db: Database, tags: dict[str, str]) -> Any:
     return and_(*(runs.c.tags[name].as_string() == value for name, value in tags.items()))
 
 
+def conditions_at_volume(db: Database, conn: Connection, where: RunFilter) -> list[Any]:
+    """``where``'s conditions, and for a key without a workflow the workflows that have runs
+    (a loose scan of a few index pages): ix_durable_runs_workflow_key leads with the workflow,
+    so a key alone would read the whole index."""
+    found = where.conditions(db)
+    if where.key is not None and where.workflow is None:
+        from .dashboard_rows import workflow_names
+
+        found.append(runs.c.workflow.in_(workflow_names(conn) or [""]))
+    return found
+
+
 def matching_ids(
     db: Database, conn: Connection, where: RunFilter, after: str | None, limit: int
 ) -> Sequence[str]:

@@ -88,6 +88,23 @@ FLOW_INDEXES = [
     for name, (columns, where) in FLOW_INDEX_SPECS.items()
 ]
 
+# name -> (columns, condition): revision 0009's partial indexes on durable_runs.
+VOLUME_INDEX_SPECS = {
+    "ix_durable_runs_unfinished_children": (("parent_id",), "parent_id IS NOT NULL AND finished_at IS NULL"),
+    "ix_durable_runs_unwoken": (
+        ("created_at",),
+        "status = 'waiting' AND due_at IS NULL AND locked_by IS NULL",
+    ),
+    "ix_durable_runs_slot_unfinished": (
+        ("workflow", "slot_key", "created_at"),
+        "slot_key IS NOT NULL AND finished_at IS NULL",
+    ),
+}
+VOLUME_INDEXES = [
+    Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
+    for name, (columns, where) in VOLUME_INDEX_SPECS.items()
+]
+
 
 runs = Table(
     "durable_runs",
@@ -216,6 +233,11 @@ runs = Table(
         postgresql_where=text("locked_by IS NOT NULL"),
         sqlite_where=text("locked_by IS NOT NULL"),
     ),
+    # Revision 0009, each over unfinished runs only, so the passes and pages that read them cost
+    # the same however many finished runs are kept: unfinished children (the orphans pass),
+    # waiting runs with no wake-up set (missed wake-ups; doctor) and the unfinished runs of a
+    # concurrency key (the Flow page).
+    *VOLUME_INDEXES,
 )
 
 steps = Table(
@@ -263,6 +285,8 @@ keys = Table(
     Column("waiting_id", String(36)),
     Column("taken_at", Timestamp, nullable=False),
     Index("ux_durable_keys_holder", "holder_id", unique=True),
+    # The key report lists keys newest taken first (revision 0009).
+    Index("ix_durable_keys_taken", "taken_at"),
     # Deleting a run (pruning) sets waiting_id to NULL where it points at it: without this
     # index every deleted run would scan the keys table.
     Index(

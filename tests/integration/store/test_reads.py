@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import select, update
 
 from durable_celery import current_run
+from durable_celery.errors import InvalidArgument
 from durable_celery.store import queries
 from durable_celery.store.schema import runs
 from durable_celery.store.schema import steps as step_rows
@@ -112,12 +113,19 @@ def test_list_runs_filters_by_workflow_key_and_status_newest_first(durable):
     assert listed(status=["failed", "pending"]) == newest
     assert listed(workflow="b_flow", status="pending") == [ids[3]]
     assert listed(limit=2) == newest[:2]
-    # Newest by creation, then by id among runs created at the same instant.
+    # Newest by the time-ordered id (the start order, the primary key's: no sort of every run),
+    # whatever created_at says.
     set_run(durable, ids[0], created_at=durable.db.utcnow() + timedelta(hours=1))
     same = durable.db.utcnow() - timedelta(hours=1)
     set_run(durable, ids[1], created_at=same)
     set_run(durable, ids[3], created_at=same)
-    assert listed() == [ids[0], ids[2], ids[3], ids[1]]
+    assert listed() == newest
+    # Pages: after= the last run of a page gives the next one, to the end.
+    assert listed(limit=2, after=newest[1]) == newest[2:]
+    assert listed(workflow="a_flow", after=ids[2]) == [ids[0]]
+    assert listed(after=ids[0]) == []
+    with pytest.raises(InvalidArgument):
+        durable.list_runs(after=42)
 
 
 def test_pending_inputs_of_one_workflow_oldest_first_not_cut_by_others(durable):
