@@ -79,6 +79,13 @@ BENCHES = (
         (),
         ("--waiters", "1,100", "--window", "1", "--runs", "60"),
     ),
+    Bench(
+        "volume",
+        "every read, report, page and upkeep pass at 100,000 and 1,000,000 runs (built, then dropped;"
+        " the 10,000,000-run figures: python -m bench.volume, bench/README.md)",
+        ("time", "--runs", "100k", "--runs", "1m", "--rounds", "3"),
+        ("time", "--runs", "10k", "--runs", "40k", "--rounds", "1", "--no-admin"),
+    ),
 )
 NAMES = tuple(bench.name for bench in BENCHES)
 
