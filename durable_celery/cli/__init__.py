@@ -284,11 +284,18 @@ def keys(
 
 
 def _echo_key_stats(stats: dict[str, Any]) -> None:
-    held, blocking = stats["keys_held"], stats["blocking"]
+    held, blocking, cap = stats["keys_held"], stats["blocking"], stats.get("count_cap", 0)
+
+    def n(value: int) -> str:  # a count that stopped at the cap reads "10,000+"
+        return f"{value:,}+" if cap and value >= cap else str(value)
+
+    free = "some" if cap and held >= cap else str(held - blocking)
+    verb = "blocks" if blocking == 1 else "block"
     click.echo(
-        f"keys held: {held} ({blocks_new_starts(blocking)}, {held - blocking} free to take)   "
-        f"re-adds (7 days): {stats['readds']}   dropped inputs: {stats['dropped_inputs']}   "
-        f"hand-offs: {stats['handoffs']}   released: {stats['releases']}   retaken: {stats['retakes']}"
+        f"keys held: {n(held)} ({n(blocking)} {verb} new starts, {free} free to take)   "
+        f"re-adds (7 days): {n(stats['readds'])}   dropped inputs: {stats['dropped_inputs']}   "
+        f"hand-offs: {n(stats['handoffs'])}   released: {n(stats['releases'])}   "
+        f"retaken: {n(stats['retakes'])}"
     )
     if stats["readds_by_outcome"]:
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats["readds_by_outcome"].items()))

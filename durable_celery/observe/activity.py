@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 from ..core.sweeps import ACTIVITY_KEPT
 from ..errors import InvalidArgument
 from ..models import aware
-from ..store import activity_rows, key_rows
-from ..store.schema import UNFINISHED
+from ..store import activity_rows, dashboard_rows, key_rows
+from ..store.bounded import COUNT_CAP
+from ..store.schema import FINISHED, UNFINISHED
 
 if TYPE_CHECKING:
     from ..core.runtime import Runtime
@@ -82,10 +83,7 @@ def list_keys(
         held = key_rows.list_keys(conn, workflow, _check_limit(limit), prefix)
         pairs = [(r.workflow, r.key) for r in held]
         used = activity_rows.runs_per_key(conn, workflow, pairs)
-        readds = {
-            (r.workflow, r.key): r.n
-            for r in activity_rows.counts_by_key(conn, "key_duplicate", workflow, since, None)
-        }
+        readds = dashboard_rows.readds_per_key(conn, pairs, since)  # the listed keys' only
     return [
         KeyEntry(
             r.workflow,
@@ -144,36 +142,58 @@ class Stats:
     def keys(self, workflow: str | None = None) -> dict[str, Any]:
         """Keys held and how many of them block a new start, re-adds by outcome, dropped inputs,
         hand-offs, re-adds per hour of the last day, and the keys re-added most (over the week
-        activity is kept)."""
-        now = self.rt.db.utcnow()
+        activity is kept). Every count stops past ``count_cap`` (``capped``: one did; read
+        "10,000+"), so the report reads the same few rows at any volume."""
+        now, cap = self.rt.db.utcnow(), COUNT_CAP
         with self.rt.db.engine.connect() as conn:
-            held = key_rows.count_keys_by_holder(conn, workflow)
-            entries = activity_rows.key_activity(conn, workflow, now - ACTIVITY_KEPT)
-            top = activity_rows.counts_by_key(conn, "key_duplicate", workflow, now - ACTIVITY_KEPT, 10)
+            held = key_rows.count_keys(conn, workflow, cap)
+            blocking = sum(int(r.n) for r in key_rows.keys_of_unfinished(conn, workflow))
+            for name, statuses in self._finished_blocking(workflow):
+                blocking += key_rows.count_finished_holders(conn, name, statuses, cap)
+            entries = activity_rows.key_activity(conn, workflow, now - ACTIVITY_KEPT, cap)
+        by_kind = Counter(e.kind for e in entries)
         duplicates = [e for e in entries if e.kind == "key_duplicate"]
+        day = now - timedelta(days=1)
         per_hour = Counter(
             aware(e.at).replace(minute=0, second=0, microsecond=0)  # type: ignore[union-attr]
             for e in duplicates
-            if aware(e.at) >= now - timedelta(days=1)  # type: ignore[operator]
+            if aware(e.at) >= day  # type: ignore[operator]
         )
+        top = Counter((e.workflow, e.key) for e in duplicates)
+        shown = {kind: min(n, cap) for kind, n in by_kind.items()}
         return {
-            "keys_held": sum(int(r.n) for r in held),
-            "blocking": sum(
-                int(r.n) for r in held if key_blocks(self.rt.registry.workflows, r.workflow, r.status)
-            ),
-            "readds": sum(1 for _ in duplicates),
-            "readds_by_outcome": dict(Counter(e.details.get("outcome") for e in duplicates)),
+            "keys_held": min(held, cap),
+            "blocking": min(blocking, cap),
+            "readds": shown.get("key_duplicate", 0),
+            "readds_by_outcome": dict(Counter(e.outcome for e in duplicates)),
             "dropped_inputs": sum(
-                1
-                for e in duplicates
-                if e.details.get("outcome") in ("use_existing", "error") and e.details.get("input_changed")
+                1 for e in duplicates if e.outcome in ("use_existing", "error") and e.input_changed
             ),
-            "handoffs": sum(1 for e in entries if e.kind == "key_handed_off"),
-            "releases": sum(1 for e in entries if e.kind == "key_released"),
-            "retakes": sum(1 for e in entries if e.kind == "key_retaken"),
+            "handoffs": shown.get("key_handed_off", 0),
+            "releases": shown.get("key_released", 0),
+            "retakes": shown.get("key_retaken", 0),
             "readds_over_time": [{"hour": h, "count": n} for h, n in sorted(per_hour.items())],
-            "top_keys": [{"workflow": r.workflow, "key": r.key, "readds": r.n} for r in top],
+            "top_keys": [
+                {"workflow": w, "key": k, "readds": n}
+                for (w, k), n in sorted(top.items(), key=lambda item: (-item[1], item[0][1] or ""))[:10]
+            ],
+            "count_cap": cap,
+            "capped": held > cap or blocking > cap or any(n > cap for n in by_kind.values()),
         }
+
+    def _finished_blocking(self, workflow: str | None) -> list[tuple[str, tuple[str, ...]]]:
+        """Per workflow defined here whose ``reuse`` keeps a finished holder's key, the final
+        statuses that keep it (``never``: all; ``after_failure``: those not failed-like)."""
+        from ..core.keys import reuse_frees
+
+        found = []
+        for name, known in self.rt.registry.workflows.items():
+            if workflow is not None and name != workflow:
+                continue
+            statuses = tuple(s for s in FINISHED if not reuse_frees(known.reuse, s))
+            if statuses:
+                found.append((name, statuses))
+        return found
 
     def queues(self) -> dict[str, dict[str, Any]]:
         """Per queue: ``ready``, ``running``, ``waiting`` runs, ``oldest_ready_at``, ``paused``."""

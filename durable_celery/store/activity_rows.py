@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, insert, select
+from sqlalchemy import Connection, delete, func, insert, select, union_all
 
+from .bounded import COUNT_CAP
 from .db import Clock, Database
 from .schema import activity, runs
 
@@ -71,15 +72,29 @@ def counts_by_key(
     return conn.execute(query.limit(limit) if limit else query).all()
 
 
-def key_activity(conn: Connection, workflow: str | None, since: datetime) -> Sequence[Any]:
-    """(kind, details, at) of every key entry since ``since``, for the key statistics."""
-    query = select(activity.c.kind, activity.c.details, activity.c.at).where(
-        activity.c.kind.in_(["key_duplicate", "key_handed_off", "key_released", "key_retaken"]),
-        activity.c.at >= since,
-    )
-    if workflow is not None:
-        query = query.where(activity.c.workflow == workflow)
-    return conn.execute(query).all()
+KEY_KINDS = ("key_duplicate", "key_handed_off", "key_released", "key_retaken")
+
+
+def key_activity(
+    conn: Connection, workflow: str | None, since: datetime, cap: int = COUNT_CAP
+) -> Sequence[Any]:
+    """The newest ``cap + 1`` entries of each key kind since ``since`` (``kind``, ``workflow``,
+    ``key``, ``outcome``, ``input_changed``, ``at``), for the key statistics: each kind an
+    index range of (kind, at), read newest first and stopped at the cap."""
+    parts = []
+    for kind in KEY_KINDS:
+        query = select(
+            activity.c.kind,
+            activity.c.workflow,
+            activity.c.key,
+            activity.c.details["outcome"].as_string().label("outcome"),
+            activity.c.details["input_changed"].as_boolean().label("input_changed"),
+            activity.c.at,
+        ).where(activity.c.kind == kind, activity.c.at >= since)
+        if workflow is not None:
+            query = query.where(activity.c.workflow == workflow)
+        parts.append(query.order_by(activity.c.at.desc()).limit(cap + 1).subquery().select())
+    return conn.execute(union_all(*parts)).all()
 
 
 def runs_per_key(conn: Connection, workflow: str | None, pairs: Sequence[tuple[str, str]]) -> dict[Any, int]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
+from .bounded import COUNT_CAP
 from .schema import FINISHED, UNFINISHED, activity, events, keys, runs
 
 STATUSES = UNFINISHED + FINISHED
@@ -110,16 +111,20 @@ def readds_per_key(conn: Connection, pairs: Sequence[tuple[str, str]], since: da
     return {(w, k): int(n) for w, k, n in conn.execute(query)}
 
 
-def top_readded(conn: Connection, workflow: str | None, since: datetime, limit: int = 10) -> Sequence[Any]:
-    """(workflow, key, n): the keys re-added most since ``since``."""
-    n = func.count().label("n")
-    query = select(activity.c.workflow, activity.c.key, n).where(
+def top_readded(
+    conn: Connection, workflow: str | None, since: datetime, limit: int = 10, cap: int = COUNT_CAP
+) -> Sequence[Any]:
+    """(workflow, key, n): the keys re-added most since ``since``, among the newest ``cap``
+    re-adds (an index range of (kind, at) read newest first: never the whole week's)."""
+    newest = select(activity.c.workflow, activity.c.key).where(
         activity.c.kind == "key_duplicate", activity.c.at >= since
     )
     if workflow is not None:
-        query = query.where(activity.c.workflow == workflow)
-    query = query.group_by(activity.c.workflow, activity.c.key).order_by(n.desc(), activity.c.key)
-    return conn.execute(query.limit(limit)).all()
+        newest = newest.where(activity.c.workflow == workflow)
+    some = newest.order_by(activity.c.at.desc()).limit(cap).subquery()
+    n = func.count().label("n")
+    query = select(some.c.workflow, some.c.key, n).group_by(some.c.workflow, some.c.key)
+    return conn.execute(query.order_by(n.desc(), some.c.key).limit(limit)).all()
 
 
 def key_row(conn: Connection, workflow: str, key: str) -> Any:

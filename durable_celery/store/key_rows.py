@@ -18,6 +18,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from . import direct
+from .bounded import COUNT_CAP, capped_count
 from .db import Clock, Database, constant, one_of
 from .schema import UNFINISHED, activity, keys, runs
 
@@ -221,16 +222,42 @@ def list_keys(conn: Connection, workflow: str | None, limit: int, prefix: str | 
     return conn.execute(query).all()
 
 
-def count_keys_by_holder(conn: Connection, workflow: str | None) -> Sequence[Any]:
-    """Key rows counted per workflow and holder status (``workflow``, ``status``, ``n``)."""
+def count_keys(conn: Connection, workflow: str | None, cap: int = COUNT_CAP) -> int:
+    """Key rows (of ``workflow``), counted up to ``cap + 1``: an index range, never every key."""
+    query = select(keys.c.workflow)
+    if workflow is not None:
+        query = query.where(keys.c.workflow == workflow)
+    return int(conn.execute(capped_count(query, cap)).scalar() or 0)
+
+
+def keys_of_unfinished(conn: Connection, workflow: str | None) -> Sequence[Any]:
+    """Per workflow, the keys held by unfinished runs (``workflow``, ``n``): read from the
+    unfinished runs (a few, however many keys finished runs keep)."""
     query = (
-        select(keys.c.workflow, runs.c.status, func.count().label("n"))
-        .join(runs, runs.c.id == keys.c.holder_id)
-        .group_by(keys.c.workflow, runs.c.status)
+        select(keys.c.workflow, func.count().label("n"))
+        .select_from(runs)
+        .join(keys, keys.c.holder_id == runs.c.id)
+        .where(runs.c.status.in_(UNFINISHED))
+        .group_by(keys.c.workflow)
     )
     if workflow is not None:
         query = query.where(keys.c.workflow == workflow)
     return conn.execute(query).all()
+
+
+def count_finished_holders(
+    conn: Connection, workflow: str, statuses: Sequence[str], cap: int = COUNT_CAP
+) -> int:
+    """Keys of ``workflow`` whose holder finished in one of ``statuses``, among its first
+    ``cap + 1`` keys (a bounded read: past the cap the count is at least this)."""
+    some = select(keys.c.holder_id).where(keys.c.workflow == workflow).limit(cap + 1).subquery()
+    query = (
+        select(func.count())
+        .select_from(some)
+        .join(runs, runs.c.id == some.c.holder_id)
+        .where(runs.c.status.in_(list(statuses)))
+    )
+    return int(conn.execute(query).scalar() or 0)
 
 
 def give_input_txn(conn: Connection, run_id: str, data: Any) -> None:
