@@ -7,8 +7,10 @@ in a random order. Runs are checked as they finish (before pruning deletes them;
 keeps the id and status of every run pruned, so one pruned before its check is still accounted
 for) and their ledger rows dropped; at the end the load stops, every run must finish within the
 recovery bound, every start not checked yet is checked, and every id a start returned that is
-neither checked, pruned nor present is lost. It prints the chaos table line, worker RSS growth
-and table / dead-tuple growth.
+neither checked, pruned nor present is lost. ``ledger_atomic`` runs (tests/chaos/atomic.py) go
+on beside them the whole time and are checked at the end: one ledger row per completed run, none
+for another, balances that add up (``atomic_checks.check_soak_ledger``). It prints the chaos
+table line, worker RSS growth and table / dead-tuple growth.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos import faults as f
+from tests.chaos.atomic import LedgerLoad
+from tests.chaos.atomic_checks import check_soak_ledger
+from tests.chaos.atomic_workflows import ATOMIC, PLAIN, TABLES_DDL
 from tests.chaos.checks import (
     UNFINISHED,
     Report,
@@ -42,12 +47,14 @@ CHECK_EVERY = 15.0  # seconds between checks of the runs finished since
 SETTLED = 20.0  # a run is checked once it finished this long ago (its fenced executions are in)
 TABLES = ("durable_runs", "durable_steps", "durable_keys", "durable_activity", "durable_events")
 FAULT_KINDS = ("kill_child", "kill_parent", "kill_node", "term", "stop", "redis", "pg_fast", "pg_immediate")
+ATOMIC_RATE = 1.0  # starts a second of ledger_atomic runs (tests/chaos/atomic.py), checked at the end
+CHAOS_RUNS = f"workflow NOT IN ('{ATOMIC}', '{PLAIN}')"  # the runs the periodic checks take
 # Every run pruned (deleted), with its status: a run pruned before it was checked is not lost.
 PRUNED_DDL = """
-CREATE TABLE chaos_pruned (id text PRIMARY KEY, status text NOT NULL, key text);
+CREATE TABLE chaos_pruned (id text PRIMARY KEY, status text NOT NULL, key text, workflow text);
 CREATE FUNCTION chaos_record_pruned() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO chaos_pruned SELECT id, status, key FROM pruned ON CONFLICT DO NOTHING;
+    INSERT INTO chaos_pruned SELECT id, status, key, workflow FROM pruned ON CONFLICT DO NOTHING;
     RETURN NULL;
 END $$;
 CREATE TRIGGER chaos_pruned AFTER DELETE ON durable_runs REFERENCING OLD TABLE AS pruned
@@ -98,10 +105,13 @@ class Soak:
         with self.cluster.connect() as conn:
             self._pruned(conn)
             if final:
-                rows = conn.execute("SELECT id, input->>'tag' FROM durable_runs").fetchall()
+                rows = conn.execute(
+                    f"SELECT id, input->>'tag' FROM durable_runs WHERE {CHAOS_RUNS}"
+                ).fetchall()
             else:
                 settled = "finished_at < now() - %s * interval '1 second'"
-                rows = conn.execute(f"SELECT id, input->>'tag' FROM durable_runs WHERE {settled}", (SETTLED,))
+                query = f"SELECT id, input->>'tag' FROM durable_runs WHERE {settled} AND {CHAOS_RUNS}"
+                rows = conn.execute(query, (SETTLED,))
                 rows = rows.fetchall()
             fresh = [(rid, tag) for rid, tag in rows if rid not in self.checked]
             ids, tags = {rid for rid, _ in fresh}, {tag for _, tag in fresh}
@@ -120,7 +130,7 @@ class Soak:
     def _pruned(self, conn: Any) -> None:
         """Account for the runs pruned before they were checked: finished (else a problem), their
         executions unchecked (counted)."""
-        rows = conn.execute("SELECT id, status, key FROM chaos_pruned").fetchall()
+        rows = conn.execute(f"SELECT id, status, key FROM chaos_pruned WHERE {CHAOS_RUNS}").fetchall()
         self.report.counts["runs pruned"] = len(rows)
         missed = [(rid, status, key) for rid, status, key in rows if rid not in self.checked]
         for rid, status, key in missed:
@@ -219,12 +229,14 @@ def _soak(cluster: Cluster, minutes: float, fault_every: float, seed: int) -> Re
     assert cluster.client is not None
     with cluster.connect() as conn:
         conn.execute(PRUNED_DDL)
+        conn.execute(TABLES_DDL)
     run = Soak(cluster, rng, Report("soak"))
     racers = Racers(cluster.worker_env(), cluster.folder, minutes * 60 + 600, pause=2.0).start()
     began = time.time()
     end = began + minutes * 60
     sampler = KeySampler(cluster.url, interval=0.5).start()
     producers = Producers(cluster.client, seed).start()
+    ledger = LedgerLoad(cluster.client, ATOMIC, seed, ATOMIC_RATE, runs=10**9).start()
     racers.go()
     next_fault, next_check, next_note, last = began + fault_every, began + CHECK_EVERY, began + 10, "none"
     try:
@@ -245,6 +257,7 @@ def _soak(cluster: Cluster, minutes: float, fault_every: float, seed: int) -> Re
             if not worker.alive():
                 worker.start()
         starts = producers.stop() + racers.stop()
+        ledger.stop()
         bound = recovery_bound(cluster.settings)
         run.report.recovery, _ = wait_quiet(cluster.connect, bound)
         run.report.bound = bound
@@ -253,6 +266,7 @@ def _soak(cluster: Cluster, minutes: float, fault_every: float, seed: int) -> Re
         run.check(starts, final=True)
         with cluster.connect() as conn:
             check_consistency(conn, run.report)
+            check_soak_ledger(conn, run.report, ledger.inputs, run.log)
         check_sampler(sampler, run.report)
         for worker in cluster.workers.values():
             if not worker.alive():
@@ -279,6 +293,7 @@ def main(argv: Any = None) -> int:
         prog="python -m tests.chaos",
         description="Soak durable_celery under mixed faults: workers killed, stopped and restarted, "
         "Redis and PostgreSQL restarted, keys raced; checks every run and step execution.",
+        epilog="python -m tests.chaos atomic --help: the atomic-step scenario (tests/chaos/atomic.py).",
     )
     parser.add_argument("--minutes", type=float, default=10.0, help="how long the load and faults run (10)")
     parser.add_argument("--fault-every", type=float, default=20.0, help="seconds between faults, about (20)")

@@ -15,6 +15,9 @@ Workflows (three steps each; each step sleeps ``ms[i]`` milliseconds):
 | ``chain`` | without a key | ``completed`` |
 | ``doomed`` | without a key; its last step always raises ``Doomed`` (2 attempts) | ``failed`` |
 | ``keyed`` | with a key, any ``on_duplicate`` | ``completed``, or ``cancelled`` when replaced |
+
+``define`` also defines the atomic scenario's ``ledger_atomic`` and ``ledger_plain``
+(``atomic_workflows.py``).
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ def define(durable: Durable, ledger: Ledger | None = None) -> None:
         keyed.step(_step_body(ledger, index, False), name=name, retry=RETRY)
         last = index == len(STEPS) - 1
         doomed.step(_step_body(ledger, index, last), name=name, retry=DOOMED_RETRY if last else RETRY)
+    from tests.chaos.atomic_workflows import define_ledger  # here, not above: it imports this module
+
+    define_ledger(durable, ledger)  # the atomic scenario's (tests/chaos/atomic.py)
 
 
 def make_producer(broker: str, url: str, queue: str, settings: dict[str, Any], name: str) -> Durable:
