@@ -157,18 +157,27 @@ def migrate(ctx: click.Context, check: bool) -> None:
 @click.option("--key", "-k", help="Only runs started with this key.")
 @click.option("--status", "-s", type=click.Choice(STATUSES), help="Only runs in this status.")
 @click.option("--limit", "-n", default=50, show_default=True, help="At most this many runs.")
+@click.option("--after", metavar="RUN_ID", help="The next page: runs older than this one (the last listed).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_context
 def runs(
-    ctx: click.Context, workflow: str | None, key: str | None, status: str | None, limit: int, as_json: bool
+    ctx: click.Context,
+    workflow: str | None,
+    key: str | None,
+    status: str | None,
+    limit: int,
+    after: str | None,
+    as_json: bool,
 ) -> None:
     """List runs, newest first; "holds" is yes for a run whose key blocks a new start, free for a
     finished holder whose key the next start takes."""
     d = reader_of(ctx)  # a report: the replica when there is one
-    found = or_fail(lambda: d.list_runs(workflow=workflow, key=key, status=status, limit=limit))
+    found = or_fail(lambda: d.list_runs(workflow=workflow, key=key, status=status, limit=limit, after=after))
     if as_json:
         for run in found:
             click.echo(json.dumps({**_run_dict(run), "key_blocks": _key_blocks(d, run)}, default=str))
+        if len(found) == limit:  # on standard error: standard output stays one object a line
+            click.echo(f"next page: --after {found[-1].id}", err=True)
         return
     click.echo(
         f"{'id':36}  {'workflow':20}  {'status':{STATUS_WIDTH}}  {'step':>4}  "
@@ -180,6 +189,8 @@ def runs(
             f"{(run.key or '-')[:24]:24}  {_holds(d, run):5}  "
             f"{run.created_at:%Y-%m-%d %H:%M:%S}"
         )
+    if len(found) == limit:
+        click.echo(f"next page: --after {found[-1].id}")
 
 
 @durable.command()

@@ -57,12 +57,14 @@ def page_of_runs(
     key: str | None,
     workflows: Sequence[str],
     limit: int,
+    after: str | None = None,
     offset: int = 0,
 ) -> Sequence[Any]:
-    """Runs matching the filters, newest first, one page.
+    """Runs matching the filters, newest first by their time-ordered id, one page: after the
+    run ``after`` (keyset: the primary key's order, however deep), or past ``offset`` rows
+    (the first few pages only).
 
-    A key alone is looked up per known workflow (the key index leads with the workflow); with no
-    filter the time-ordered primary key gives the order.
+    A key alone is looked up per known workflow (the key index leads with the workflow).
     """
     query = select(runs, HOLDS_KEY).where(*where)  # the page's other filters (run_filters.py)
     if workflow is not None:
@@ -73,10 +75,9 @@ def page_of_runs(
         query = query.where(runs.c.key == key)
     if status is not None:
         query = query.where(runs.c.status == status)
-    if (workflow is None and key is None and status is None) or where:  # ids grow with time
-        query = query.order_by(runs.c.id.desc())
-    else:
-        query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc())
+    if after is not None:
+        query = query.where(runs.c.id < after)
+    query = query.order_by(runs.c.id.desc())  # ids grow with time
     return conn.execute(query.limit(limit).offset(offset)).all()
 
 

@@ -12,6 +12,7 @@ from ..errors import DatabaseUnavailable, InvalidArgument
 from ..models import Run, aware
 from ..observe.activity import KeyEntry, key_blocks
 from ..observe.flow import flow_report, key_words, limit_words, limits_of, use_words
+from ..paging import check_after
 from ..store import activity_rows, dashboard_rows, flow_reads, observe_rows
 from ..store.db import masked_url
 from ..store.schema import UNFINISHED
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 RUN_ID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
 SECRET_WORDS = ("password", "secret", "token")
 RUNS_OF_KEY = 50  # runs listed in a run's key view, newest first
+MAX_PAGE = 20  # runs pages by number; past it, by after= (keyset)
 
 
 def jsonable(value: Any) -> Any:
@@ -57,11 +59,15 @@ def check_limit(value: Any, default: int = 50, most: int = 500) -> int:
 
 
 def check_page(value: Any) -> int:
-    """A 1-based page number from a query string."""
+    """A 1-based page number from a query string, up to ``MAX_PAGE`` (deeper pages go by
+    ``after=``: an offset reads every row before the page)."""
     try:
-        return max(1, int(value or 1))
+        page = max(1, int(value or 1))
     except (TypeError, ValueError):
         raise InvalidArgument(f"page must be a number, not {value!r}") from None
+    if page > MAX_PAGE:
+        raise InvalidArgument(f"page {page} is past page {MAX_PAGE}: follow the pages' 'older' link (after=)")
+    return page
 
 
 def check_status(value: Any) -> str | None:
@@ -147,6 +153,9 @@ def parse_search(q: str, known: list[str]) -> dict[str, Any]:
 def runs_page(durable: Durable, params: dict[str, Any]) -> dict[str, Any]:
     """One page of runs by workflow, status, key or search text, newest first."""
     limit, page = check_limit(params.get("limit")), check_page(params.get("page"))
+    after = check_after(params.get("after") or None)
+    if after is not None:
+        page = 1  # a keyset page: the cursor says where it starts
     status = check_status(params.get("status"))
     workflow, key = params.get("workflow") or None, params.get("key") or None
     with durable.db.engine.connect() as conn:
@@ -165,11 +174,15 @@ def runs_page(durable: Durable, params: dict[str, Any]) -> dict[str, Any]:
             key=key,
             workflows=known,
             limit=limit + 1,
+            after=after,
             offset=(page - 1) * limit,
         )
+    more = len(rows) > limit
     return {
         "runs": [_run_row(durable, r) for r in rows[:limit]],
-        "more": len(rows) > limit,
+        "more": more,
+        "next": rows[limit - 1].id if more else None,  # after= of the next page
+        "after": after,
         "page": page,
         "limit": limit,
         "filters": {

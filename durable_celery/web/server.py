@@ -230,11 +230,11 @@ class Dashboard:
     # -- API reads ---------------------------------------------------------------------------
 
     def api_runs(self, request: Request) -> Any:
-        """``GET /api/runs``: runs by workflow, status, key, limit."""
+        """``GET /api/runs``: runs by workflow, status, key, limit; ``after`` the ``next`` of a page."""
         params = dict(request.query_params)
         params.setdefault("limit", "50")
         found = data.runs_page(self.reader, params)
-        return {"runs": found.get("runs", []), "more": found.get("more", False)}
+        return {"runs": found.get("runs", []), "more": found.get("more", False), "next": found.get("next")}
 
     def api_run(self, request: Request) -> Any:
         """``GET /api/runs/<id>``: run, steps, events, children, activity, key view."""

@@ -96,6 +96,15 @@ def test_runs_filters_search_and_paging(scene: Scene) -> None:
     second = c.get("/runs", params={"limit": 2, "page": 2}).text
     ids = lambda html: set(re.findall(r'href="/runs/([0-9a-f-]{36})"', html))  # noqa: E731
     assert ids(first) and ids(second) and not ids(first) & ids(second)
+    older = re.search(r'href="/runs\?([^"]*)" id="older"', first)
+    assert older is not None and "after=" in older.group(1)  # keyset: the last run's id
+    by_cursor = c.get("/runs?" + older.group(1).replace("&amp;", "&")).text
+    assert ids(by_cursor) == ids(second) and 'id="newest"' in by_cursor
+    api = c.get("/api/runs", params={"limit": 2}).json()
+    assert api["more"] and api["next"] == api["runs"][-1]["id"]
+    after = c.get("/api/runs", params={"limit": 2, "after": api["next"]})
+    assert {r["id"] for r in after.json()["runs"]} == ids(second)
+    assert c.get("/runs", params={"page": 999}).status_code == 400
     assert c.get("/runs", params={"status": "bogus"}).status_code == 400
 
 

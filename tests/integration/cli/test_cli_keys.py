@@ -184,3 +184,18 @@ def test_list_keys_by_prefix_and_the_blocking_count(durable, holders):
     # The finished after_close holder lets its key go: the next start takes it, and it blocks.
     assert durable.start("close", {"n": 3}, key="done:1") != holders["closed"]
     assert (durable.stats.keys()["keys_held"], durable.stats.keys()["blocking"]) == (6, 6)
+
+
+@postgres_only
+def test_runs_go_page_by_page_with_after(holders, cli):
+    """``durable runs -n 2`` ends with the next page's option; following it lists older runs,
+    never one twice, to the last page (no hint)."""
+    seen: list[str] = []
+    args = ["runs", "-n", "2"]
+    for _ in range(10):
+        lines = cli(*args).splitlines()
+        seen += [line.split()[0] for line in lines[1:] if not line.startswith("next page")]
+        if not lines[-1].startswith("next page: --after "):
+            break
+        args = ["runs", "-n", "2", "--after", lines[-1].split()[-1]]
+    assert len(seen) == len(set(seen)) == len(holders)  # the re-add is answered by its holder
