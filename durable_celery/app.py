@@ -448,10 +448,17 @@ class Durable(ScheduleMethods):
     # -- watching ---------------------------------------------------------------------------
 
     def activity(
-        self, kinds: Any = None, run_id: str | None = None, workflow: str | None = None, limit: int = 100
+        self,
+        kinds: Any = None,
+        run_id: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        *,
+        after: int | None = None,
     ) -> list[Activity]:
-        """Activity entries (key decisions and more), newest first."""
-        return observe.list_activity(self.runtime, kinds, run_id, workflow, limit)
+        """Activity entries (key decisions and more), newest first; ``after``: the next page,
+        past the entry with that id (the last one of a page)."""
+        return observe.list_activity(self.runtime, kinds, run_id, workflow, limit, after=after)
 
     def list_keys(
         self, workflow: str | None = None, limit: int = 1000, *, prefix: str | None = None

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.sweeps import ACTIVITY_KEPT
 from ..errors import InvalidArgument
 from ..models import aware
+from ..paging import check_after_id
 from ..store import activity_rows, dashboard_rows, key_rows
 from ..store.bounded import COUNT_CAP
 from ..store.schema import FINISHED, UNFINISHED
@@ -62,12 +63,15 @@ def list_activity(
     run_id: str | None = None,
     workflow: str | None = None,
     limit: int = 100,
+    *,
+    after: int | None = None,
 ) -> list[Activity]:
-    """Activity entries, newest first."""
+    """Activity entries, newest first; ``after``: past the entry with that id (keyset)."""
     if isinstance(kinds, str):
         kinds = [kinds]
+    after = check_after_id(after)
     with rt.db.engine.connect() as conn:
-        rows = activity_rows.list_activity(conn, kinds, run_id, workflow, _check_limit(limit))
+        rows = activity_rows.list_activity(conn, kinds, run_id, workflow, _check_limit(limit), after)
     return [Activity(r.id, r.kind, r.run_id, r.workflow, r.details, aware(r.at) or r.at, r.key) for r in rows]
 
 

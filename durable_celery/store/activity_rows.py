@@ -41,9 +41,12 @@ def list_activity(
     run_id: str | None,
     workflow: str | None,
     limit: int,
+    after: int | None = None,
 ) -> Sequence[Any]:
-    """Activity entries, newest first."""
+    """Activity entries, newest first (by id: the primary key's order); ``after``: past that id."""
     query = select(activity)
+    if after is not None:
+        query = query.where(activity.c.id < after)
     if kinds:
         query = query.where(activity.c.kind.in_(list(kinds)))
     if run_id is not None:

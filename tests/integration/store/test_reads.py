@@ -201,3 +201,17 @@ def test_fetch_run_waits_for_the_row_lock_only_when_it_locks(durable):
     finally:
         other.rollback()
         other.close()
+
+
+def test_activity_goes_page_by_page_with_after(durable):
+    flow = one_step(durable, "noted_flow")
+    holder = durable.start(flow, key="k")
+    for _ in range(3):
+        assert durable.start(flow, key="k") == holder  # each a key_duplicate entry
+    every = [a.id for a in durable.activity(kinds="key_duplicate")]
+    assert len(every) == 3 and every == sorted(every, reverse=True)
+    first = durable.activity(kinds="key_duplicate", limit=2)
+    rest = durable.activity(kinds="key_duplicate", limit=2, after=first[-1].id)
+    assert [a.id for a in first + rest] == every
+    with pytest.raises(InvalidArgument):
+        durable.activity(after="x")
