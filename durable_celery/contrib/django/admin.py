@@ -29,7 +29,16 @@ from django.utils.safestring import mark_safe
 
 from ...errors import DurableError
 from ...observe.activity import key_blocks
-from .admin_filters import KeyFilter, TagFilter
+from .admin_filters import (
+    CappedPaginator,
+    KeyFilter,
+    KindFilter,
+    PhaseFilter,
+    RunStatusFilter,
+    StepStatusFilter,
+    TagFilter,
+    WorkflowFilter,
+)
 from .durable import DEFAULT_ALIAS, DjangoDurable, durable_for
 from .models import DurableActivity, DurableKey, DurableRun, DurableSchedule, DurableStep
 
@@ -141,7 +150,11 @@ def _error_text(value: Any) -> Any:
 
 class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """An admin that shows durable's rows and writes none: no add, no delete, every field
-    read-only. The change permission is kept at model level, where it allows the actions."""
+    read-only. The change permission is kept at model level, where it allows the actions.
+    Its lists count at most 10,001 rows (CappedPaginator)."""
+
+    paginator = CappedPaginator
+    show_full_result_count = False  # no second count of the whole table
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Never: durable creates its rows."""
@@ -307,9 +320,15 @@ class DurableRunAdmin(ReadOnlyAdmin):
         "total",
         "created",
     )
-    list_filter = ("workflow", "status", KeyFilter, TagFilter, ("created_at", admin.DateFieldListFilter))
+    list_filter = (
+        WorkflowFilter,
+        RunStatusFilter,
+        KeyFilter,
+        TagFilter,
+        ("created_at", admin.DateFieldListFilter),
+    )
     search_fields = ("=id", "key")
-    ordering = ("-created_at",)
+    ordering = ("-id",)  # time-ordered ids: the primary key's order, not a sort of every run
     show_full_result_count = False
     inlines = (StepInline, ActivityInline)
     actions = ("cancel_runs", "retry_runs", "rerun_runs", "release_keys")
@@ -365,7 +384,7 @@ class DurableRunAdmin(ReadOnlyAdmin):
         return ((name, {"fields": (*first["fields"], "dashboard")}), *rest)
 
     # Sorted by creation (run ids grow with time), so "created" needs no sort arrows of its own.
-    @admin.display(description="id", ordering="created_at")
+    @admin.display(description="id", ordering="id")
     def short_id(self, run: DurableRun) -> Any:
         """The run id's end (the whole id in the tooltip); it links to the run's page."""
         return _short_id(run.id)
@@ -465,7 +484,7 @@ class DurableKeyAdmin(ReadOnlyAdmin):
         "waiting_link",
         "taken",
     )
-    list_filter = ("workflow",)
+    list_filter = (WorkflowFilter,)
     search_fields = ("key", "=holder__id")
     list_select_related = ("holder",)
     ordering = ("-taken_at",)
@@ -520,7 +539,7 @@ class DurableStepAdmin(ReadOnlyAdmin):
         "running",
         "finished",
     )
-    list_filter = ("status", "phase")
+    list_filter = (StepStatusFilter, PhaseFilter)
     search_fields = ("=run__id", "name")
     ordering = ("-id",)
     show_full_result_count = False
@@ -553,7 +572,7 @@ class DurableActivityAdmin(ReadOnlyAdmin):
     """Key decisions and other notable moments, kept for a week."""
 
     list_display = ("when", "kind", "workflow", "key", "run_link")
-    list_filter = ("kind", "workflow")
+    list_filter = (KindFilter, WorkflowFilter)
     search_fields = ("key", "=run__id")
     ordering = ("-id",)
     show_full_result_count = False
