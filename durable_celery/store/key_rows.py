@@ -13,6 +13,7 @@ from sqlalchemy import (
     func,
     insert,
     select,
+    text,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -218,8 +219,30 @@ def list_keys(conn: Connection, workflow: str | None, limit: int, prefix: str | 
         query = query.where(
             keys.c.key.startswith(prefix, autoescape=True),
             func.substr(keys.c.key, 1, len(prefix)) == prefix,
+            *_prefix_range(conn, workflow, prefix),
         )
     return conn.execute(query).all()
+
+
+def _prefix_range(conn: Connection, workflow: str | None, prefix: str) -> list[Any]:
+    """PostgreSQL whose keys sort by code point (a C collation): the prefix as a range of the
+    primary key (workflow, key), per workflow with runs, so that a prefix reads its keys only
+    (LIKE cannot use the index). Other collations may not sort a prefix's keys together: none."""
+    if conn.dialect.name != "postgresql" or not _bytewise(conn):
+        return []
+    found = [keys.c.key >= prefix, keys.c.key < prefix + "\U0010ffff"]
+    if workflow is None:
+        from .dashboard_rows import workflow_names
+
+        found.append(keys.c.workflow.in_(workflow_names(conn) or [""]))
+    return found
+
+
+def _bytewise(conn: Connection) -> bool:
+    """Does the database sort text by code point (collation C, POSIX or C.UTF-8)?"""
+    query = text("SELECT datcollate FROM pg_database WHERE datname = current_database()")
+    collation = str(conn.execute(query).scalar() or "")
+    return collation in ("C", "POSIX") or collation.upper().startswith("C.")
 
 
 def count_keys(conn: Connection, workflow: str | None, cap: int = COUNT_CAP) -> int:
