@@ -258,6 +258,7 @@ def history(name: str, days: int, partitions: bool, keep: bool, server: str) -> 
             time_trim(durable, conn)
             if partitions:
                 build_partitions(conn)
+                refresh(durable)  # the copy took minutes: no lock may look stale to the passes
                 compare_reads(Target(durable, pick_sample(durable), "history"), conn)
             time_prune(admin_url(server, copy), days)
             time_vacuum(conn)

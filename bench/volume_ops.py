@@ -228,6 +228,7 @@ def _reads() -> list[Op]:
         ("list_runs(workflow=order)", lambda t: t.durable.list_runs(workflow="order")),
         ("list_runs(workflow, status)", lambda t: t.durable.list_runs(workflow="order", status="completed")),
         ("list_runs(key=...)", lambda t: t.durable.list_runs(key=t.sample.completed_key)),
+        ("list_runs(after=15 days back)", lambda t: t.durable.list_runs(after=t.sample.completed)),
         ("get_run", lambda t: t.durable.get_run(t.sample.completed)),
         ("list_steps", lambda t: t.durable.list_steps(t.sample.failed)),
         ("list_children", lambda t: t.durable.list_children(t.sample.parent)),
@@ -275,7 +276,8 @@ PAGES = (
     "/runs?status=failed",
     "/runs?workflow=order",
     "/runs?q=key:{completed_key}",
-    "/runs?page=100",
+    "/runs?page=20",
+    "/runs?after={completed}",
     "/runs/{completed}",
     "/runs/{waiting}",
     "/runs/{parent}",
@@ -294,6 +296,7 @@ API = (
     "/api/overview",
     "/api/runs",
     "/api/runs?status=failed",
+    "/api/runs?after={completed}",
     "/api/runs/{completed}",
     "/api/keys",
     "/api/flow",
@@ -398,11 +401,13 @@ INDEX_SCANS = ("Index Scan", "Index Only Scan", "Bitmap Index Scan")
 
 
 def table_rows(durable: Durable) -> dict[str, float]:
-    """The planner's row count of each big table (``reltuples``) and of each of its indexes."""
+    """The planner's row count (``reltuples``) of each big table, and of each of its indexes
+    that covers most of it (a partial index over the unfinished runs is left out: reading it
+    whole reads few rows)."""
     with durable.db.engine.connect() as conn:
         rows = conn.execute(
             text(
-                "SELECT c.relname, c.reltuples, i.relname AS index FROM pg_class c "
+                "SELECT c.relname, c.reltuples, i.relname AS index, i.reltuples AS entries FROM pg_class c "
                 "LEFT JOIN pg_index x ON x.indrelid = c.oid LEFT JOIN pg_class i ON i.oid = x.indexrelid "
                 "WHERE c.relname = ANY(:names)"
             ),
@@ -411,7 +416,7 @@ def table_rows(durable: Durable) -> dict[str, float]:
     found: dict[str, float] = {}
     for row in rows:
         found[row.relname] = float(row.reltuples)
-        if row.index:
+        if row.index and float(row.entries) >= float(row.reltuples) / 2:
             found[row.index] = float(row.reltuples)
     return found
 
@@ -420,37 +425,53 @@ def table_rows(durable: Durable) -> dict[str, float]:
 BLOCKING = ("Sort", "Aggregate", "Hash", "SetOp", "WindowAgg", "Materialize")
 
 
+def _whole_read(
+    node: dict[str, Any], rows: dict[str, float] | None, limit: float | None, workers: int
+) -> str | None:
+    """What the scan ``node`` reads whole (see :func:`seq_scans`), or None."""
+    kind = node.get("Node Type")
+    share = (workers + 1) if node.get("Parallel Aware") else 1  # a parallel scan's rows are per process
+    matched = float(node.get("Plan Rows", 0)) * share
+    if kind == "Seq Scan" and node.get("Relation Name") in BIG_TABLES:
+        if limit is None or matched <= limit:
+            return f"{node['Relation Name']} (filter: {node.get('Filter', 'none')})"
+    elif kind in INDEX_SCANS and rows and "Index Cond" not in node:
+        index = str(node.get("Index Name"))
+        total = rows.get(index, 0.0)
+        if total and (matched <= limit if limit is not None else matched >= total / 2):
+            return f"{index}, read whole ({kind}; filter: {node.get('Filter', 'none')})"
+    return None
+
+
 def seq_scans(plan: Any, rows: dict[str, float] | None = None) -> list[str]:
-    """Big tables a JSON plan reads whole, each with the scan's filter: a ``Seq Scan`` of one of
-    ``BIG_TABLES``, or (given ``rows``, from :func:`table_rows`) an index scan with no index
-    condition, no ``Limit`` stopping it early, expected to read at least half of the table's
-    rows (a count, a DISTINCT)."""
+    """Big tables a JSON plan reads whole, each with the scan's filter.
+
+    A scan reads its table whole when it is a ``Seq Scan`` of one of ``BIG_TABLES``, or (given
+    ``rows``, from :func:`table_rows`) a scan of one of their full indexes with no index
+    condition expected to read at least half of the table's rows (a count, a DISTINCT). Under a
+    ``Limit`` with nothing between that reads all its input first (a sort, an aggregate), a scan
+    stops early: it reads its table whole only when fewer rows than the limit are expected to
+    match (a rare filter).
+    """
     found: list[str] = []
 
-    def walk(node: Any, limited: bool, workers: int) -> None:
+    def walk(node: Any, limit: float | None, workers: int) -> None:
         """Visit a plan node and its children."""
         if isinstance(node, list):
             for value in node:
-                walk(value, limited, workers)
+                walk(value, limit, workers)
             return
         if not isinstance(node, dict):
             return
         kind = node.get("Node Type")
-        limited = (limited or kind == "Limit") and kind not in BLOCKING
+        limit = float(node.get("Plan Rows", 0)) if kind == "Limit" else None if kind in BLOCKING else limit
         workers = int(node.get("Workers Planned", workers))
-        if kind == "Seq Scan" and node.get("Relation Name") in BIG_TABLES:
-            found.append(f"{node['Relation Name']} (filter: {node.get('Filter', 'none')})")
-        elif kind in INDEX_SCANS and rows and not limited and "Index Cond" not in node:
-            index = str(node.get("Index Name"))
-            share = (
-                (workers + 1) if node.get("Parallel Aware") else 1
-            )  # a parallel scan's rows are per process
-            total = rows.get(index, 0.0)
-            if total and float(node.get("Plan Rows", 0)) * share >= total / 2:
-                found.append(f"{index}, read whole ({kind}; filter: {node.get('Filter', 'none')})")
+        read = _whole_read(node, rows, limit, workers)
+        if read:
+            found.append(read)
         for key in ("Plan", "Plans"):
             if key in node:
-                walk(node[key], limited, workers)
+                walk(node[key], limit, workers)
 
-    walk(plan, False, 0)
+    walk(plan, None, 0)
     return found
