@@ -255,17 +255,17 @@ def count_keys(conn: Connection, workflow: str | None, cap: int = COUNT_CAP) -> 
 
 def keys_of_unfinished(conn: Connection, workflow: str | None) -> Sequence[Any]:
     """Per workflow, the keys held by unfinished runs (``workflow``, ``n``): read from the
-    unfinished runs (a few, however many keys finished runs keep)."""
+    unfinished runs (a few, however many keys finished runs keep), each run's key row looked up
+    by its holder index (a subquery per run: a join may be planned as a hash of every key)."""
+    held = select(func.count()).where(keys.c.holder_id == runs.c.id).correlate(runs).scalar_subquery()
     query = (
-        select(keys.c.workflow, func.count().label("n"))
-        .select_from(runs)
-        .join(keys, keys.c.holder_id == runs.c.id)
-        .where(runs.c.status.in_(UNFINISHED))
-        .group_by(keys.c.workflow)
+        select(runs.c.workflow, func.sum(held).label("n"))
+        .where(runs.c.status.in_(UNFINISHED), runs.c.key.is_not(None))
+        .group_by(runs.c.workflow)
     )
     if workflow is not None:
-        query = query.where(keys.c.workflow == workflow)
-    return conn.execute(query).all()
+        query = query.where(runs.c.workflow == workflow)
+    return [row for row in conn.execute(query) if row.n]
 
 
 def count_finished_holders(

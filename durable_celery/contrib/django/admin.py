@@ -327,7 +327,7 @@ class DurableRunAdmin(ReadOnlyAdmin):
         TagFilter,
         ("created_at", admin.DateFieldListFilter),
     )
-    search_fields = ("=id", "key")
+    search_fields = ("id__exact", "key__exact")  # indexes; a LIKE '%...%' reads every run
     ordering = ("-id",)  # time-ordered ids: the primary key's order, not a sort of every run
     show_full_result_count = False
     inlines = (StepInline, ActivityInline)
@@ -485,7 +485,7 @@ class DurableKeyAdmin(ReadOnlyAdmin):
         "taken",
     )
     list_filter = (WorkflowFilter,)
-    search_fields = ("key", "=holder__id")
+    search_fields = ("key__exact", "holder__id__exact")
     list_select_related = ("holder",)
     ordering = ("-taken_at",)
     actions = ("release_keys",)
