@@ -182,9 +182,10 @@ class SlotWaker:
     runs as it has free slots (a slot freed by a crashed worker, or a wake-up lost between
     commit and send). A pass looks at up to ``KEYS_PER_PASS`` keys, going on after the last key
     the pass before looked at (from the first again past the last): every key is looked at,
-    however many there are. Runs of a workflow defined here without a concurrency limit any
-    more (a deploy removed it) are all woken; keys of workflows not defined here are left to
-    the nodes that define them."""
+    however many there are. One statement reads the keys with their slots in use; only a key
+    with a slot free when read is locked and filled (a pass over full keys costs that one read).
+    Runs of a workflow defined here without a concurrency limit any more (a deploy removed it)
+    are all woken; keys of workflows not defined here are left to the nodes that define them."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -193,14 +194,18 @@ class SlotWaker:
     def wake_slots_once(self) -> int:
         """One pass; returns how many runs it woke."""
         rt = self.rt
+        limits = [w.concurrency.limit for w in rt.registry.workflows.values() if w.concurrency is not None]
+        bound = max(limits, default=1)
         with rt.db.engine.connect() as conn:
-            parked = flow_rows.parked_slot_keys(conn, KEYS_PER_PASS, self.after)
+            parked = flow_rows.parked_slot_keys(rt.db, conn, KEYS_PER_PASS, self.after, bound)
         self.after = (parked[-1][0], parked[-1][1]) if len(parked) == KEYS_PER_PASS else None
         woken = 0
-        for name, slot_key in parked:
+        for name, slot_key, held, due in parked:
             workflow = rt.registry.workflows.get(name)
             if workflow is None:
                 continue  # defined on other nodes only: theirs to wake
+            if workflow.concurrency is not None and held + due >= workflow.concurrency.limit:
+                continue  # every slot in use or promised when read: the step that frees one wakes
             with rt.db.begin() as conn:
                 flow_rows.lock_key_txn(conn, SLOT, name, slot_key)
                 if workflow.concurrency is None:

@@ -141,15 +141,17 @@ def _of_key(column: str) -> list[Any]:
     return [runs.c.workflow == bindparam("p_wf"), runs.c[column] == bindparam("p_key")]
 
 
-def _slot_held() -> list[Any]:
-    """Steps of the key executing (a compensation holds no slot)."""
-    return [*_of_key("slot_key"), runs.c.locked_by.is_not(None), runs.c.status == _RUNNING_SQL]
+def _slot_held(of_key: list[Any] | None = None) -> list[Any]:
+    """Steps of the key (``of_key``, else the bound one) executing (a compensation holds no slot)."""
+    key = _of_key("slot_key") if of_key is None else of_key
+    return [*key, runs.c.locked_by.is_not(None), runs.c.status == _RUNNING_SQL]
 
 
-def _slot_idle(db: Database) -> list[Any]:
-    """Unparked runs of the key due for a step and not running: their messages are on the way."""
+def _slot_idle(db: Database, of_key: list[Any] | None = None) -> list[Any]:
+    """Unparked runs of the key (``of_key``, else the bound one) due for a step and not running:
+    their messages are on the way."""
     return [
-        *_of_key("slot_key"),
+        *(_of_key("slot_key") if of_key is None else of_key),
         runs.c.flow_wait.is_(None),
         runs.c.locked_by.is_(None),
         runs.c.finished_at.is_(None),
@@ -306,12 +308,24 @@ def window_full_since_txn(
     return None if found is None else found[0]
 
 
-def parked_slot_keys(conn: Connection, limit: int, after: tuple[str, str] | None = None) -> Sequence[Any]:
-    """Up to ``limit`` (workflow, slot_key) pairs with runs parked for a slot, in order, after
-    the pair ``after`` if given."""
+def parked_slot_keys(
+    db: Database, conn: Connection, limit: int, after: tuple[str, str] | None, bound: int
+) -> Sequence[Any]:
+    """Up to ``limit`` (workflow, slot_key, held, due) rows, in order after the pair ``after`` if
+    given: the keys with runs parked for a slot, each with ``slot_use_txn``'s two counts (up to
+    ``bound``), read in this one statement without the keys' locks."""
     pair = (runs.c.workflow, runs.c.slot_key)
     query = select(*pair).where(runs.c.flow_wait == _SLOT_SQL, runs.c.finished_at.is_(None))
     if after is not None:
         query = query.where(tuple_(*pair) > tuple_(literal(after[0]), literal(after[1])))
+    parked = query.group_by(*pair).order_by(*pair).limit(limit).subquery("parked")
+    of_parked = [runs.c.workflow == parked.c.workflow, runs.c.slot_key == parked.c.slot_key]
+
+    def counted(where: list[Any]) -> Any:
+        some = select(runs.c.id).where(*where).limit(bound).subquery()
+        return select(func.count()).select_from(some).scalar_subquery()
+
+    counts = (counted(_slot_held(of_parked)).label("held"), counted(_slot_idle(db, of_parked)).label("due"))
     no_jit(conn)  # the upkeep's flow pass, on every worker
-    return conn.execute(query.group_by(*pair).order_by(*pair).limit(limit)).all()
+    rows = select(parked.c.workflow, parked.c.slot_key, *counts).order_by(*parked.c)
+    return conn.execute(rows, db.clock_params({"p_now": Clock()})).all()

@@ -315,6 +315,8 @@ activity = Table(
     Index("ix_durable_activity_run", "run_id"),
     Index("ix_durable_activity_kind_at", "kind", "at"),
     Index("ix_durable_activity_workflow_key", "workflow", "key"),
+    # One workflow's key statistics: its entries of a kind, newest first (revision 0010).
+    Index("ix_durable_activity_workflow_kind_at", "workflow", "kind", "at"),
 )
 
 # Events sent to runs. A run gets one event per name: the row marked `received`; later ones

@@ -12,8 +12,9 @@ Revises: 0008
 Create Date: 2026-12-05
 """
 
-import sqlalchemy as sa
 from alembic import op
+
+from durable_celery.store.index_builds import IndexSpecs, build_concurrently, drop_concurrently
 
 revision = "0009"
 down_revision = "0008"
@@ -21,7 +22,7 @@ branch_labels = None
 depends_on = None
 
 # name: (table, columns, partial-index condition or None), as written when this revision was made.
-INDEXES = {
+INDEXES: IndexSpecs = {
     "ix_durable_runs_unfinished_children": (
         "durable_runs",
         ["parent_id"],
@@ -42,41 +43,8 @@ INDEXES = {
 
 
 def upgrade() -> None:
-    # Runnable again after a try that failed part-way: a build CONCURRENTLY cut off (by
-    # lock_timeout, say) leaves an invalid index, dropped first.
-    with op.get_context().autocommit_block():
-        for name, table in _invalid_indexes():
-            op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
-        for name, (table, columns, where) in INDEXES.items():
-            condition = None if where is None else sa.text(where)
-            op.create_index(
-                name,
-                table,
-                columns,
-                unique=False,
-                postgresql_where=condition,
-                sqlite_where=condition,
-                postgresql_concurrently=True,
-                if_not_exists=True,
-            )
-
-
-def _invalid_indexes() -> list[tuple[str, str]]:
-    """This revision's indexes a failed build CONCURRENTLY left invalid (PostgreSQL), with their table."""
-    bind = op.get_bind()
-    if bind.dialect.name != "postgresql":
-        return []
-    found = bind.execute(
-        sa.text(
-            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-            "WHERE NOT i.indisvalid AND c.relname = ANY(:names)"
-        ),
-        {"names": list(INDEXES)},
-    )
-    return [(row[0], INDEXES[row[0]][0]) for row in found]
+    build_concurrently(op, INDEXES)
 
 
 def downgrade() -> None:
-    with op.get_context().autocommit_block():
-        for name, (table, _columns, _where) in INDEXES.items():
-            op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
+    drop_concurrently(op, INDEXES)
