@@ -48,6 +48,15 @@ class BulkReport:
     skipped: dict[str, int] = field(default_factory=dict)
     made: list[str] = field(default_factory=list)  # the runs a rerun or fork started
 
+    def summary(self) -> str:
+        """The report in one line: matched, acted on, and skipped by reason, most first."""
+        verb = "would act" if self.dry_run else "acted"
+        why = sorted(self.skipped.items(), key=lambda item: -item[1])
+        skipped = "".join(f"; skipped {n:,}: {reason}" for reason, n in why)
+        return (
+            f"bulk {self.action} {self.bulk_id}: {self.matched:,} matched, {verb} on {self.acted:,}{skipped}"
+        )
+
 
 def run_filter(
     workflow: str | None = None,

@@ -29,6 +29,7 @@ from django.utils.safestring import mark_safe
 
 from ...errors import DurableError
 from ...observe.activity import key_blocks
+from .admin_bulk import all_matching
 from .admin_filters import (
     CappedPaginator,
     KeyFilter,
@@ -414,6 +415,7 @@ class DurableRunAdmin(ReadOnlyAdmin):
         return format_html('<a href="{}">{}</a>', url, url)
 
     @admin.action(description="Cancel selected runs", permissions=["change"])
+    @all_matching("cancel")
     def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         """Cancel each selected unfinished run."""
 
@@ -425,6 +427,7 @@ class DurableRunAdmin(ReadOnlyAdmin):
         self._act(request, _ids(queryset), queryset.db, cancel)
 
     @admin.action(description="Retry selected failed runs", permissions=["change"])
+    @all_matching("retry")
     def retry_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         """Resume each selected failed run from its failed step."""
 
@@ -435,6 +438,7 @@ class DurableRunAdmin(ReadOnlyAdmin):
         self._act(request, _ids(queryset), queryset.db, retry)
 
     @admin.action(description="Rerun selected finished runs", permissions=["change"])
+    @all_matching("rerun")
     def rerun_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         """Start a fresh copy of each selected finished run (same input and key)."""
         site = self.admin_site.name
