@@ -35,6 +35,7 @@ from .admin_filters import (
     KeyFilter,
     KindFilter,
     PhaseFilter,
+    RunSearch,
     RunStatusFilter,
     StepStatusFilter,
     TagFilter,
@@ -306,7 +307,7 @@ class ActivityInline(ReadOnlyInline):
 
 
 @admin.register(DurableRun)
-class DurableRunAdmin(ReadOnlyAdmin):
+class DurableRunAdmin(RunSearch, ReadOnlyAdmin):
     """Runs: filter by workflow, status and key, search by key or id, act on the selected; each
     with how long it queued, ran and took in all."""
 

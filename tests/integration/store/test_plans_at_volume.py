@@ -48,12 +48,7 @@ EXCEPTIONS = {
 }
 
 # Ops that still read a whole table, and which statement does: xfail until rewritten.
-KNOWN_SLOW: dict[str, str] = {
-    "admin: runs search key": (
-        "the admin's search_fields: UPPER(key) LIKE UPPER('%...%') OR UPPER(id) = UPPER(...) reads "
-        "durable_runs whole (a Seq Scan at 1,000,000 and at 10,000,000 runs)"
-    ),
-}
+KNOWN_SLOW: dict[str, str] = {}
 
 # Whole reads at 1,000,000 runs that 10,000,000 do not make: the planner's choice for tables of
 # that size (python -m bench.volume plans --db bench_volume_10m finds none of them).
@@ -61,26 +56,19 @@ MISSED_WAKEUPS = (
     "at 1,000,000 runs the planner hashes durable_events whole (68,000 rows) for the missed "
     "wake-ups' NOT EXISTS; at 10,000,000 it probes ix_durable_events_run_name per waiting run"
 )
-HELD_KEYS = (
-    "at 1,000,000 runs the count of keys held by unfinished runs hash-joins durable_keys whole "
-    "(430,000 rows); at 10,000,000 it loops over the unfinished runs and probes ux_durable_keys_holder"
-)
 READDS = (
-    "at 1,000,000 runs a week of activity is 16,000 rows, fewer re-adds than the page's LIMIT: the "
-    "planner sorts the whole table; at 10,000,000 (152,000) it reads ix_durable_activity_at newest first"
+    "at 1,000,000 runs a week of activity is 16,000 rows, fewer re-adds than the read's LIMIT: the "
+    "planner reads them all by (kind, at) and sorts; at 10,000,000 (152,000) it reads "
+    "ix_durable_activity_kind_at newest first and stops"
 )
 AT_CI_SIZE = {
     "doctor()": MISSED_WAKEUPS,
     "durable doctor": MISSED_WAKEUPS,
     "wake_missed_once": MISSED_WAKEUPS,
-    "stats.keys()": HELD_KEYS,
-    "stats.keys(workflow=order)": f"{HELD_KEYS}; {READDS}",
-    "durable keys": HELD_KEYS,
-    "durable keys -w order": f"{HELD_KEYS}; {READDS}",
+    "stats.keys()": READDS,
+    "durable keys": READDS,
     "GET /keys": READDS,
     "GET /api/keys": READDS,
-    "GET /keys?workflow=order": READDS,
-    "GET /workflows/order": READDS,
 }
 
 
