@@ -335,11 +335,11 @@ class Durable(ScheduleMethods):
             rows = queries.fetch_runs(conn, *found, after=after, limit=limit)
         return [Run.from_row(r) for r in rows]
 
-    def list_steps(self, run_id: str) -> list[StepRecord]:
-        """Every recorded step attempt of a run, in order; RunNotFound if there is no run."""
-        run = self.get_run(run_id)
-        with self.db.engine.connect() as conn:
-            return [StepRecord.from_row(r, run.input) for r in queries.fetch_steps(conn, run_id)]
+    def list_steps(
+        self, run_id: str, limit: int | None = None, *, after: int | None = None
+    ) -> list[StepRecord]:
+        """A run's step attempts in order; ``after``: past the step with that id. RunNotFound if no run."""
+        return observe.list_steps(self.runtime, run_id, limit, after=after)
 
     # -- control ----------------------------------------------------------------------------
 
@@ -461,11 +461,16 @@ class Durable(ScheduleMethods):
         return observe.list_activity(self.runtime, kinds, run_id, workflow, limit, after=after)
 
     def list_keys(
-        self, workflow: str | None = None, limit: int = 1000, *, prefix: str | None = None
+        self,
+        workflow: str | None = None,
+        limit: int = 1000,
+        *,
+        prefix: str | None = None,
+        after: str | None = None,
     ) -> list[KeyEntry]:
-        """Held keys with their holder, whether each blocks a new start, runs per key and
-        re-adds in the last day; ``prefix`` keeps the keys that start with it."""
-        return observe.list_keys(self.runtime, workflow, limit, prefix=prefix)
+        """Held keys, newest taken first, with their holder, whether each blocks a new start, runs
+        per key and re-adds in the last day; ``prefix``: keys starting with it; ``after``: a ``cursor``."""
+        return observe.list_keys(self.runtime, workflow, limit, prefix=prefix, after=after)
 
     @cached_property
     def reader(self) -> Durable:

@@ -78,6 +78,8 @@ class StepRecord:
     phase: str = "step"
     # Lines the attempt logged at a captured level (see logs.py); None when capture was off.
     logs: list[dict[str, Any]] | None = None
+    # The step row's id: ``list_steps(run_id, after=step.id)`` goes on past it.
+    id: int | None = None
 
     @classmethod
     def from_row(cls, row: Any, run_input: dict[str, Any] | None = None) -> StepRecord:

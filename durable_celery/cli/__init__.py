@@ -239,6 +239,7 @@ def cancel(ctx: click.Context, run_ids: tuple[str, ...]) -> None:
 @click.option("--workflow", "-w", help="Only keys of this workflow.")
 @click.option("--key", "-k", "prefix", metavar="PREFIX", help="Only keys starting with PREFIX.")
 @click.option("--limit", "-n", default=50, show_default=True, help="At most this many keys.")
+@click.option("--after", metavar="CURSOR", help="The next page: the cursor a full page ends with.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per key, one a line.")
 @click.option(
     "--html",
@@ -253,6 +254,7 @@ def keys(
     workflow: str | None,
     prefix: str | None,
     limit: int,
+    after: str | None,
     as_json: bool,
     html_file: Any,
 ) -> None:
@@ -260,11 +262,12 @@ def keys(
     if as_json and html_file is not None:
         raise click.UsageError("give --json or --html, not both")
     d = reader_of(ctx)  # a report: the replica when there is one
-    found = or_fail(lambda: d.list_keys(workflow, limit, prefix=prefix))
+    found = or_fail(lambda: d.list_keys(workflow, limit, prefix=prefix, after=after))
     scope = _key_scope(workflow, prefix, limit, len(found))
     if as_json:
         for entry in found:
             click.echo(json.dumps(asdict(entry), default=str))
+        _echo_next_keys(found, limit, err=True)  # standard output stays one object a line
         return
     if html_file is not None:
         from ..store.db import utcnow
@@ -273,6 +276,7 @@ def keys(
         html_file.write(render_key_report(found, generated_at=utcnow(), scope=scope))
         if html_file.name != "-":
             click.echo(f"key report ({len(found)} keys) written to {html_file.name}")
+        _echo_next_keys(found, limit, err=True)
         return
     if prefix:  # the counts are the workflow's (or every workflow's), not only the listed keys'
         click.echo(f"{f'workflow {workflow}' if workflow else 'every workflow'}, every key:")
@@ -292,6 +296,13 @@ def keys(
     click.echo(
         f"{len(found)} {'key' if len(found) == 1 else 'keys'}, {blocks_new_starts(blocking)} ({scope})"
     )
+    _echo_next_keys(found, limit)
+
+
+def _echo_next_keys(found: list[Any], limit: int, err: bool = False) -> None:
+    """A full page ends with the option that lists the next one."""
+    if len(found) == limit and found[-1].cursor is not None:
+        click.echo(f"next page: --after {found[-1].cursor}", err=err)
 
 
 def _echo_key_stats(stats: dict[str, Any]) -> None:
@@ -323,7 +334,7 @@ def _key_scope(workflow: str | None, prefix: str | None, limit: int, listed: int
     if prefix:
         parts.append(f"keys starting with {prefix!r}")
     if listed >= limit:
-        parts.append(f"only the {limit} taken most recently: -n for more")
+        parts.append(f"a page of {limit}: --after for the next")
     return ", ".join(parts)
 
 

@@ -1,4 +1,4 @@
-"""Watching: activity entries, the key list and key statistics."""
+"""Watching: activity entries, the key list, a run's steps and key statistics."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..core.sweeps import ACTIVITY_KEPT
-from ..errors import InvalidArgument
-from ..models import aware
-from ..paging import check_after_id
-from ..store import activity_rows, dashboard_rows, key_rows
+from ..errors import InvalidArgument, RunNotFound
+from ..models import StepRecord, aware
+from ..paging import check_after_id, check_key_cursor, check_limit, key_cursor
+from ..store import activity_rows, dashboard_rows, key_rows, queries
 from ..store.bounded import COUNT_CAP
 from ..store.schema import FINISHED, UNFINISHED
 
@@ -49,6 +49,13 @@ class KeyEntry:
     # True while a new start with this key is answered by the holder: it is unfinished, or
     # finished under a ``reuse`` that keeps the key. False: the next start takes the key.
     blocks: bool = True
+    # When the holder took the key (UTC); the order of the key list.
+    taken_at: datetime | None = None
+
+    @property
+    def cursor(self) -> str | None:
+        """Where the next page starts: ``list_keys(..., after=entry.cursor)`` of the last entry."""
+        return None if self.taken_at is None else key_cursor(self.taken_at, self.workflow, self.key)
 
 
 def _check_limit(limit: Any) -> int:
@@ -76,18 +83,33 @@ def list_activity(
 
 
 def list_keys(
-    rt: Runtime, workflow: str | None = None, limit: int = 1000, *, prefix: str | None = None
+    rt: Runtime,
+    workflow: str | None = None,
+    limit: int = 1000,
+    *,
+    prefix: str | None = None,
+    after: str | None = None,
 ) -> list[KeyEntry]:
     """Held keys with their holder, whether they block a new start, runs per key and re-adds
-    in the last day; ``prefix`` keeps keys that start with it."""
+    in the last day, newest taken first; ``prefix`` keeps keys that start with it; ``after``:
+    the next page, past the key whose ``cursor`` it is (keyset)."""
     if prefix is not None and not isinstance(prefix, str):
         raise InvalidArgument(f"prefix must be a str, not {prefix!r}")
+    limit, place = _check_limit(limit), check_key_cursor(after)
     since = rt.db.utcnow() - timedelta(days=1)
     with rt.db.engine.connect() as conn:
-        held = key_rows.list_keys(conn, workflow, _check_limit(limit), prefix)
+        held = key_rows.list_keys(conn, workflow, limit, prefix, place)
         pairs = [(r.workflow, r.key) for r in held]
         used = activity_rows.runs_per_key(conn, workflow, pairs)
         readds = dashboard_rows.readds_per_key(conn, pairs, since)  # the listed keys' only
+    return key_entries(rt.registry.workflows, held, used, readds)
+
+
+def key_entries(
+    workflows: Mapping[str, Workflow], rows: Any, used: Mapping[Any, int], readds: Mapping[Any, int]
+) -> list[KeyEntry]:
+    """KeyEntry of each key row (workflow, key, holder_id, status, waiting_id, taken_at), with
+    its runs and re-adds by (workflow, key)."""
     return [
         KeyEntry(
             r.workflow,
@@ -97,10 +119,25 @@ def list_keys(
             r.waiting_id,
             used.get((r.workflow, r.key), 0),
             readds.get((r.workflow, r.key), 0),
-            key_blocks(rt.registry.workflows, r.workflow, r.status),
+            key_blocks(workflows, r.workflow, r.status),
+            aware(r.taken_at),
         )
-        for r in held
+        for r in rows
     ]
+
+
+def list_steps(
+    rt: Runtime, run_id: str, limit: int | None = None, *, after: int | None = None
+) -> list[StepRecord]:
+    """A run's recorded step attempts in order (by id), ``limit`` of them past the step with id
+    ``after`` (keyset); RunNotFound if there is no run."""
+    limit, after = None if limit is None else check_limit(limit), check_after_id(after)
+    with rt.db.engine.connect() as conn:
+        run = queries.fetch_run(conn, run_id) if isinstance(run_id, str) else None
+        if run is None:
+            raise RunNotFound(run_id)
+        rows = queries.fetch_steps(conn, run_id, limit, after)
+    return [StepRecord.from_row(r, run.input) for r in rows]
 
 
 def key_blocks(workflows: Mapping[str, Workflow], workflow: str, holder_status: str) -> bool:

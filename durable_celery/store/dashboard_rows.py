@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, func, select, tuple_
 
 from .bounded import COUNT_CAP
 from .schema import FINISHED, UNFINISHED, activity, events, keys, runs
@@ -81,18 +81,41 @@ def page_of_runs(
     return conn.execute(query.limit(limit).offset(offset)).all()
 
 
+# Keys newest taken first; ties (keys taken in one transaction share its time) by workflow and key,
+# so that the order is total and a page's last row says where the next page starts.
+KEY_ORDER = (keys.c.taken_at.desc(), keys.c.workflow.desc(), keys.c.key.desc())
+
+
+def keys_after(after: tuple[datetime, str, str] | None) -> list[Any]:
+    """The condition of the keys past ``after`` (taken_at, workflow, key) in ``KEY_ORDER``: a row
+    value comparison (keyset, however deep); none without it."""
+    if after is None:
+        return []
+    # A Python tuple, not tuple_(*after): its values are bound with the columns' types.
+    return [tuple_(keys.c.taken_at, keys.c.workflow, keys.c.key) < tuple(after)]
+
+
 def page_of_keys(
-    conn: Connection, workflow: str | None, prefix: str | None, limit: int, offset: int = 0
+    conn: Connection,
+    workflow: str | None,
+    prefix: str | None,
+    limit: int,
+    after: tuple[datetime, str, str] | None = None,
 ) -> Sequence[Any]:
-    """Key rows with their holder's status, newest taken first; by workflow and key prefix."""
-    query = select(
-        keys.c.workflow, keys.c.key, keys.c.holder_id, keys.c.waiting_id, keys.c.taken_at, runs.c.status
-    ).join(runs, runs.c.id == keys.c.holder_id)
+    """Key rows with their holder's status, newest taken first; by workflow and key prefix;
+    ``after``: past that (taken_at, workflow, key), the last row of the page before (keyset)."""
+    query = (
+        select(
+            keys.c.workflow, keys.c.key, keys.c.holder_id, keys.c.waiting_id, keys.c.taken_at, runs.c.status
+        )
+        .join(runs, runs.c.id == keys.c.holder_id)
+        .where(*keys_after(after))
+    )
     if workflow is not None:
         query = query.where(keys.c.workflow == workflow)
     if prefix:
         query = query.where(keys.c.key.startswith(prefix, autoescape=True))
-    return conn.execute(query.order_by(keys.c.taken_at.desc()).limit(limit).offset(offset)).all()
+    return conn.execute(query.order_by(*KEY_ORDER).limit(limit)).all()
 
 
 def readds_per_key(conn: Connection, pairs: Sequence[tuple[str, str]], since: datetime) -> dict[Any, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -20,6 +21,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from . import direct
 from .bounded import COUNT_CAP, capped_count
+from .dashboard_rows import KEY_ORDER, keys_after
 from .db import Clock, Database, constant, one_of
 from .schema import UNFINISHED, activity, keys, runs
 
@@ -203,13 +205,23 @@ def release_key_txn(conn: Connection, run_id: str) -> bool:
     return conn.execute(delete(keys).where(keys.c.holder_id == run_id)).rowcount == 1
 
 
-def list_keys(conn: Connection, workflow: str | None, limit: int, prefix: str | None = None) -> Sequence[Any]:
-    """Key rows with their holder's status, newest first; ``prefix`` keeps keys starting with it
-    (``%`` and ``_`` in it are plain characters)."""
+def list_keys(
+    conn: Connection,
+    workflow: str | None,
+    limit: int,
+    prefix: str | None = None,
+    after: tuple[datetime, str, str] | None = None,
+) -> Sequence[Any]:
+    """Key rows with their holder's status, newest taken first; ``prefix`` keeps keys starting
+    with it (``%`` and ``_`` in it are plain characters); ``after``: the keys past that
+    (taken_at, workflow, key), the last of the page before."""
     query = (
-        select(keys.c.workflow, keys.c.key, keys.c.holder_id, runs.c.status, keys.c.waiting_id)
+        select(
+            keys.c.workflow, keys.c.key, keys.c.holder_id, runs.c.status, keys.c.waiting_id, keys.c.taken_at
+        )
         .join(runs, runs.c.id == keys.c.holder_id)
-        .order_by(keys.c.taken_at.desc())
+        .where(*keys_after(after))
+        .order_by(*KEY_ORDER)
         .limit(limit)
     )
     if workflow is not None:

@@ -92,10 +92,12 @@ def fetch_runs(
     return conn.execute(query).all()
 
 
-def fetch_steps(conn: Connection, run_id: str) -> Sequence[Any]:
-    """Every recorded step attempt of a run, in order."""
-    query = select(steps).where(steps.c.run_id == run_id)
-    return conn.execute(query.order_by(steps.c.id)).all()
+def fetch_steps(
+    conn: Connection, run_id: str, limit: int | None = None, after: int | None = None
+) -> Sequence[Any]:
+    """A run's recorded step attempts in order (by id), ``limit`` of them past the step ``after``."""
+    query = select(steps).where(steps.c.run_id == run_id, *([] if after is None else [steps.c.id > after]))
+    return conn.execute(query.order_by(steps.c.id).limit(limit)).all()
 
 
 def claim_run(

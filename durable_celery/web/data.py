@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DatabaseUnavailable, InvalidArgument
 from ..models import Run, aware
-from ..observe.activity import KeyEntry, key_blocks
+from ..observe.activity import key_blocks, key_entries
 from ..observe.flow import flow_report, key_words, limit_words, limits_of, use_words
-from ..paging import check_after
+from ..paging import check_after, check_key_cursor
 from ..store import activity_rows, dashboard_rows, flow_reads, observe_rows
 from ..store.db import masked_url
 from ..store.schema import UNFINISHED
@@ -326,31 +326,27 @@ def input_diff(base: Any, other: Any) -> list[dict[str, Any]]:
 # -- keys ------------------------------------------------------------------------------------
 
 
-def keys_data(durable: Durable, workflow: str | None, prefix: str | None, limit: int = 200) -> dict[str, Any]:
-    """Key rows (holder, whether it blocks a start, waiting run, re-adds in the last day) and
-    the keys re-added most this week."""
+def keys_data(
+    durable: Durable, workflow: str | None, prefix: str | None, limit: int = 200, after: str | None = None
+) -> dict[str, Any]:
+    """A page of key rows (holder, whether it blocks a start, waiting run, re-adds in the last
+    day), newest taken first, past the key whose cursor ``after`` is; the keys re-added most
+    this week."""
+    place = check_key_cursor(after or None)
     now = durable.db.utcnow()
     with durable.db.engine.connect() as conn:
-        rows = dashboard_rows.page_of_keys(conn, workflow or None, prefix or None, limit)
-        pairs = [(r.workflow, r.key) for r in rows]
+        rows = dashboard_rows.page_of_keys(conn, workflow or None, prefix or None, limit + 1, place)
+        pairs = [(r.workflow, r.key) for r in rows[:limit]]
         used = activity_rows.runs_per_key(conn, workflow, pairs)
         readds = dashboard_rows.readds_per_key(conn, pairs, now - timedelta(days=1))
         top = dashboard_rows.top_readded(conn, workflow or None, now - timedelta(days=7))
-    entries = [
-        KeyEntry(
-            r.workflow,
-            r.key,
-            r.holder_id,
-            r.status,
-            r.waiting_id,
-            used.get((r.workflow, r.key), 0),
-            readds.get((r.workflow, r.key), 0),
-            key_blocks(durable.workflows, r.workflow, r.status),
-        )
-        for r in rows
-    ]
+    entries = key_entries(durable.workflows, rows[:limit], used, readds)
+    more = len(rows) > limit
     return {
         "keys": entries,
+        "more": more,
+        "next": entries[-1].cursor if more else None,  # after= of the next page
+        "after": after or None,
         "top": [{"workflow": t.workflow, "key": t.key, "readds": int(t.n)} for t in top],
         "filters": {"workflow": workflow or "", "prefix": prefix or ""},
         "limit": limit,

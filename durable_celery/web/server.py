@@ -200,10 +200,13 @@ class Dashboard:
         return {"run": run, "children": children}
 
     def keys(self, request: Request) -> dict[str, Any]:
-        """Key rows by workflow and prefix, and the keys re-added most."""
+        """A page of key rows by workflow and prefix (``after``: a page's ``next``), and the keys
+        re-added most."""
         params = request.query_params
         limit = data.check_limit(params.get("limit"), 200, 1000)
-        return data.keys_data(self.reader, params.get("workflow"), params.get("prefix"), limit)
+        return data.keys_data(
+            self.reader, params.get("workflow"), params.get("prefix"), limit, params.get("after")
+        )
 
     def flow(self, request: Request) -> dict[str, Any]:
         """Flow control: each limit's use per key, by workflow."""
@@ -251,10 +254,8 @@ class Dashboard:
         }
 
     def api_keys(self, request: Request) -> Any:
-        """``GET /api/keys``: key rows by workflow and prefix."""
-        params = request.query_params
-        limit = data.check_limit(params.get("limit"), 200, 1000)
-        return data.keys_data(self.reader, params.get("workflow"), params.get("prefix"), limit)
+        """``GET /api/keys``: key rows by workflow and prefix; ``after`` the ``next`` of a page."""
+        return self.keys(request)
 
     def api_queues(self, request: Request) -> Any:
         """``GET /api/queues``: queues and nodes."""

@@ -176,6 +176,42 @@ def test_keys_page_and_workflow_keys(scene: Scene) -> None:
     assert "invoice:42" in workflow and "quick:1" not in workflow and "approve" in workflow
 
 
+def test_keys_go_page_by_page_with_after(make_durable: Any) -> None:
+    """``/keys`` and ``/api/keys`` page by a key's cursor (``after=``): keys started in one
+    transaction share its time, and every key still shows once, to the last page; a bad cursor
+    is a 400 on both."""
+    d = make_durable("webkeys")
+    for name in ("alpha", "beta"):
+        d.workflow(name).step(lambda: None, name="only")
+    with d.db.begin() as conn:
+        names = [(w, f"k{n}") for w in ("alpha", "beta") for n in range(4)]
+        for workflow, key in names:
+            d.start(workflow, key=key, connection=conn)
+    c = TestClient(create_app(d))
+    listed = lambda html: re.findall(r'class="mono holder" href="/runs/([^"]+)"', html)  # noqa: E731
+    seen, page = [], c.get("/keys", params={"limit": 3}).text
+    assert 'id="newest"' not in page
+    for _ in range(10):
+        seen += listed(page)
+        older = re.search(r'href="/keys\?([^"]*)" id="older"', page)
+        if older is None:
+            break
+        assert "after=" in older.group(1)
+        page = c.get("/keys?" + older.group(1).replace("&amp;", "&")).text
+        assert 'id="newest"' in page
+    assert len(seen) == len(set(seen)) == len(names)
+    api, walked = c.get("/api/keys", params={"limit": 3, "workflow": "beta"}).json(), []
+    while True:
+        walked += [(k["workflow"], k["key"]) for k in api["keys"]]
+        if not api["more"]:
+            break
+        api = c.get("/api/keys", params={"limit": 3, "workflow": "beta", "after": api["next"]}).json()
+    assert walked == [("beta", f"k{n}") for n in (3, 2, 1, 0)] and api["next"] is None
+    for path in ("/keys", "/api/keys"):
+        bad = c.get(path, params={"after": "not-a-cursor"})
+        assert bad.status_code == 400 and "InvalidArgument" in bad.text, path
+
+
 def test_user_values_are_escaped(scene: Scene) -> None:
     c = client(scene)
     for path in ["/keys", "/runs", f"/runs/{scene.xss}", "/workflows/flaky", f"/runs?q=key:{XSS}"]:

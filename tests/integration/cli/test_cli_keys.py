@@ -1,4 +1,4 @@
-"""``durable keys`` (text, ``--json``, ``--html``, ``-k``, ``-w``), whether a key blocks a new
+"""``durable keys`` (text, ``--json``, ``--html``, ``-k``, ``-w``, ``--after``), whether a key blocks a new
 start, ``runs``' holds column, and ``--json`` on show, queues, nodes and cleanup: each through
 a real ``celery -A ... durable`` process on PostgreSQL."""
 
@@ -102,6 +102,7 @@ def test_keys_prefix_escapes_like_wildcards_and_workflow_filters(durable, holder
     entries = [json.loads(line) for line in cli("keys", "-w", "once", "--json").splitlines()]
     assert sorted(e["key"] for e in entries) == sorted(["done:2", SCRIPT])
     (script,) = [e for e in entries if e["key"] == SCRIPT]
+    assert script.pop("taken_at").startswith(utcnow().strftime("%Y-"))
     assert script == {
         "workflow": "once",
         "key": SCRIPT,
@@ -199,3 +200,30 @@ def test_runs_go_page_by_page_with_after(holders, cli):
             break
         args = ["runs", "-n", "2", "--after", lines[-1].split()[-1]]
     assert len(seen) == len(set(seen)) == len(holders)  # the re-add is answered by its holder
+
+
+@postgres_only
+def test_keys_go_page_by_page_with_after(holders, cli):
+    """``durable keys -n 2`` ends with the next page's option (a key's cursor); following it lists
+    keys taken earlier, never one twice, to the last page (no hint); a bad cursor is refused."""
+    seen: list[str] = []
+    args = ["keys", "-n", "2"]
+    for _ in range(10):
+        lines = cli(*args).splitlines()
+        rows = lines[lines.index("") + 2 :]  # after the counts, a blank line and the heading
+        seen += [line.split()[1] for line in rows if line.split()[0] in ("close", "once")]
+        if not lines[-1].startswith("next page: --after "):
+            break
+        assert "a page of 2: --after for the next" in lines[-2]
+        args = ["keys", "-n", "2", "--after", lines[-1].split()[-1]]
+    assert len(seen) == len(set(seen)) == 6  # every key once: the six holders' (the re-add holds none)
+    assert [
+        json.loads(line)["key"] for line in cli("keys", "-w", "close", "-n", "9", "--json").splitlines()
+    ] == [
+        "100xxoff",
+        "100%_off",
+        "going:1",
+        "done:1",
+    ]
+    refused = cli("keys", "--after", "not-a-cursor", code=1)
+    assert "cursor of the last key of the page before" in refused

@@ -1,7 +1,8 @@
 """Reading keys exactly: the key listing (newest first, by workflow, by a prefix matched
-literally, with a limit), the per-status counts, what a hand-off moves, and a new key's start in
-one statement on PostgreSQL; on both backends. Written against mutants of
-durable_celery/store/key_rows.py that the behaviour tests let through."""
+literally, with a limit, page by page after a key's cursor, ties in time included), the
+per-status counts, what a hand-off moves, and a new key's start in one statement on PostgreSQL;
+on both backends. Written against mutants of durable_celery/store/key_rows.py that the behaviour
+tests let through."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
+from durable_celery.errors import InvalidArgument
 from durable_celery.store.schema import keys, runs
 
 pytestmark = pytest.mark.timeout(60)
@@ -162,3 +164,107 @@ def test_a_start_of_a_new_key_is_one_statement_on_postgresql(durable, policy):
         assert len(statements) == 1, statements
         (entry,) = durable.activity(kinds=["key_duplicate"], run_id=holder)
         assert entry.details["outcome"] == "use_existing"
+
+
+# -- pages (keyset: after= the cursor of a page's last key) ----------------------------------------
+
+
+@pytest.fixture
+def together(durable):
+    """Twelve keys of two workflows, started in one transaction: on PostgreSQL they share its
+    time (now()), so only the tie-break, workflow then key, descending, orders them."""
+    a, b = _workflow(durable, "wf_a"), _workflow(durable, "wf_b")
+    numbers = (1, 2, 3, 10, 11, 12)
+    names = [("wf_a", f"k{n:02}") for n in numbers] + [("wf_b", f"k{n:02}") for n in numbers]
+    with durable.db.begin() as conn:
+        for workflow, key in names:
+            durable.start(a if workflow == "wf_a" else b, key=key, connection=conn)
+    return names
+
+
+@pytest.fixture
+def tied(durable, together):
+    """The twelve keys given three times: 7 keys of both workflows at the newest, 1 alone, 4 at
+    the oldest; the order is total only by the tie-break."""
+    names = together
+    at = {
+        "new": durable.db.utcnow().replace(year=2021, month=6, day=1, microsecond=123456),
+        "mid": durable.db.utcnow().replace(year=2021, month=5, day=1, microsecond=0),
+        "old": durable.db.utcnow().replace(year=2021, month=4, day=1, microsecond=654321),
+    }
+    when = {pair: "new" for pair in names[:4] + names[6:9]} | {names[4]: "mid"}
+    with durable.db.begin() as conn:
+        for workflow, key in names:
+            taken = at[when.get((workflow, key), "old")]
+            conn.execute(
+                update(keys).where(keys.c.workflow == workflow, keys.c.key == key).values(taken_at=taken)
+            )
+    return sorted(names, key=lambda pair: (at[when.get(pair, "old")], *pair), reverse=True)
+
+
+def _walk(durable: Any, size: int, **filters: Any) -> list[tuple[str, str]]:
+    """Every page of ``size`` keys, each after the cursor of the page before, to the end."""
+    seen: list[tuple[str, str]] = []
+    page = durable.list_keys(limit=size, **filters)
+    while page:
+        assert len(page) <= size
+        seen += [(k.workflow, k.key) for k in page]
+        page = durable.list_keys(limit=size, after=page[-1].cursor, **filters)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite's clock moves between statements
+def test_pages_of_keys_taken_in_one_transaction_go_by_workflow_and_key(durable, together):
+    listed = durable.list_keys()
+    assert len({k.taken_at for k in listed}) == 1  # one time: the transaction's
+    assert [(k.workflow, k.key) for k in listed] == sorted(together, reverse=True)
+    for size in (1, 2, 5):
+        assert _walk(durable, size) == sorted(together, reverse=True)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 12])
+def test_pages_of_keys_walked_to_the_end_give_every_key_once_in_order(durable, tied, size):
+    assert [(k.workflow, k.key) for k in durable.list_keys()] == tied
+    assert _walk(durable, size) == tied
+
+
+def test_pages_of_keys_keep_the_workflow_and_the_prefix(durable, tied):
+    assert _walk(durable, 2, workflow="wf_a") == [p for p in tied if p[0] == "wf_a"]
+    assert _walk(durable, 2, prefix="k0") == [p for p in tied if p[1].startswith("k0")]
+    assert _walk(durable, 2, workflow="wf_b", prefix="k1") == [
+        ("wf_b", "k12"),
+        ("wf_b", "k11"),
+        ("wf_b", "k10"),
+    ]
+    assert _walk(durable, 2, workflow="wf_none") == []
+
+
+def test_a_key_s_cursor_carries_when_it_was_taken(durable, tied):
+    from durable_celery.observe.activity import KeyEntry
+    from durable_celery.paging import check_key_cursor
+
+    first = durable.list_keys(limit=1)[0]
+    assert first.taken_at is not None and first.taken_at.tzinfo is not None
+    taken = first.taken_at
+    assert (taken.year, taken.month, taken.day, taken.microsecond) == (2021, 6, 1, 123456)
+    assert check_key_cursor(first.cursor) == (first.taken_at, first.workflow, first.key)
+    assert KeyEntry("wf", "k", "id", "pending", None, 0, 0).cursor is None  # no taken_at, no cursor
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",  # empty
+        "not a cursor!",  # not base64
+        "x",  # not whole base64
+        "e30",  # {}: not a list
+        "WyJ4IiwiYSIsImIiXQ",  # ["x","a","b"]: not a time
+        "WyIyMDIxLTA2LTAxVDAwOjAwOjAwKzAwOjAwIiwid2ZfYSJd",  # two items, not three
+        "a" * 3000,  # too long
+        42,
+        ("2021-06-01", "wf_a", "k01"),
+    ],
+)
+def test_a_bad_key_cursor_is_an_invalid_argument(durable, tied, bad):
+    with pytest.raises(InvalidArgument, match="cursor of the last key"):
+        durable.list_keys(after=bad)

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select, update
 
 from durable_celery import current_run
-from durable_celery.errors import InvalidArgument
+from durable_celery.errors import InvalidArgument, RunNotFound
 from durable_celery.store import queries
 from durable_celery.store.schema import runs
 from durable_celery.store.schema import steps as step_rows
@@ -215,3 +215,29 @@ def test_activity_goes_page_by_page_with_after(durable):
     assert [a.id for a in first + rest] == every
     with pytest.raises(InvalidArgument):
         durable.activity(after="x")
+
+
+def test_steps_go_page_by_page_with_after(durable):
+    wf = durable.workflow("five_steps")
+    for n in range(5):
+        wf.step(lambda n=n: n, name=f"s{n}")
+    run_id = durable.start(wf)
+    for index in range(5):
+        durable.run_message("five_steps", index, run_id)
+    every = durable.list_steps(run_id)
+    assert [s.name for s in every] == [f"s{n}" for n in range(5)]
+    ids = [s.id for s in every]
+    assert all(isinstance(i, int) for i in ids) and ids == sorted(ids)
+    pages, page = [], durable.list_steps(run_id, 2)
+    while page:
+        assert len(page) <= 2
+        pages.append([s.name for s in page])
+        page = durable.list_steps(run_id, 2, after=page[-1].id)
+    assert pages == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    assert durable.list_steps(run_id, after=ids[2]) == every[3:]
+    assert durable.list_steps(run_id, limit=1, after=ids[-1]) == []
+    for bad in ({"after": "x"}, {"after": 0}, {"limit": 0}, {"limit": "2"}):
+        with pytest.raises(InvalidArgument):
+            durable.list_steps(run_id, **bad)
+    with pytest.raises(RunNotFound):
+        durable.list_steps("no-such-run", 2)
