@@ -439,13 +439,16 @@ def messages(ctx: dict[str, Any], runs: int, done: int, fig: Figures) -> None:
 
 
 def entries(durable: Durable, report: Any, runs: int, fig: Figures) -> None:
-    """(h) One ``bulk`` entry for the completed action; one ``retried`` entry per run."""
+    """(h) One ``bulk`` entry for the interrupted pass, one for the completed one; one
+    ``retried`` entry per run."""
     found = durable.activity(kinds="bulk", limit=1000)
     ours = [e for e in found if e.details.get("bulk") == report.bulk_id]
+    done = [e for e in ours if not e.details.get("interrupted")]
     dry = [e for e in found if e.details.get("dry_run")]
-    ok = len(ours) == 1 and ours[0].details.get("acted") == report.acted and len(found) == 1 + len(dry)
+    ok = len(ours) == 2 and len(done) == 1 and done[0].details.get("acted") == report.acted
+    ok = ok and len(found) == 2 + len(dry)
     detail = f"{len(ours)} for bulk {report.bulk_id}, {len(dry)} for the dry run (a), {len(found)} in all"
-    fig.check("one bulk entry for the completed action (none for the interrupted one)", ok, detail)
+    fig.check("one bulk entry for the interrupted pass and one for the completed one", ok, detail)
     with durable.db.engine.connect() as conn:
         row = conn.execute(text(RETRIED)).one()
         named = conn.execute(

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -91,6 +91,10 @@ class RecordingOutbox:
     def flush(self, timeout: float | None = None) -> bool:
         """Nothing waits to be sent: True."""
         return True
+
+    def gathering(self) -> AbstractContextManager[None]:
+        """Messages are recorded as they come: nothing to gather."""
+        return nullcontext()
 
     def run_ids(self) -> list[str]:
         """The run ids of the messages recorded, in order."""

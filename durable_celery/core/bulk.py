@@ -7,7 +7,9 @@ key, flow control) holds as it does for one run. Only runs that existed when the
 are walked (ids grow with time: what a rerun or fork starts is never picked up). A bulk action
 run again with the same filter skips what it did: a retried run is no longer failed, a
 cancelled one is finished, and a rerun or fork is found by its ``origin`` entry. One ``bulk``
-activity entry says who, the filter and the counts; each run's own entry names the action.
+activity entry says who, the filter and the counts (an interrupted action's too, marked
+``interrupted``); each run's own entry names the action. Each page's messages go to the broker
+together (``outbox.gathering()``), not one round trip per run.
 """
 
 from __future__ import annotations
@@ -109,24 +111,44 @@ def bulk(
         report.matched = count_matching(rt.db, conn, where, 10**9)
         last = newest_matching(rt.db, conn, where)  # the walk stops there
     skipped: Counter[str] = Counter()
+    try:
+        _walk(rt, report, where, last, skipped, from_step, by, progress)
+    except BaseException:  # interrupted (Ctrl-C, an error): the entry says how far it went
+        report.skipped = dict(skipped)
+        _record(rt, report, where, from_step, by, interrupted=True)
+        raise
+    report.skipped = dict(skipped)
+    _record(rt, report, where, from_step, by)
+    return report
+
+
+def _walk(
+    rt: Runtime,
+    report: BulkReport,
+    where: RunFilter,
+    last: str | None,
+    skipped: Counter[str],
+    from_step: Any,
+    by: str | None,
+    progress: Callable[[str], None] | None,
+) -> None:
+    """The matching runs up to ``last``, page by page, each acted on (counted into ``report``)."""
     after: str | None = None
     while last is not None:
         with rt.db.engine.connect() as conn:
             page = [i for i in matching_ids(rt.db, conn, where, after, BATCH) if i <= last]
-        for run_id in page:
-            reason = _act(rt, report, run_id, from_step, by)
-            if reason is None:
-                report.acted += 1
-            else:
-                skipped[reason] += 1
+        with rt.outbox.gathering():  # the page's messages go to the broker in one batch
+            for run_id in page:
+                reason = _act(rt, report, run_id, from_step, by)
+                if reason is None:
+                    report.acted += 1
+                else:
+                    skipped[reason] += 1
         if progress is not None and page:
             progress(f"{report.acted + sum(skipped.values()):,} of {report.matched:,} runs looked at")
         if len(page) < BATCH:
-            break
+            return
         after = page[-1]
-    report.skipped = dict(skipped)
-    _record(rt, report, where, from_step, by)
-    return report
 
 
 def _act(rt: Runtime, report: BulkReport, run_id: str, from_step: Any, by: str | None) -> str | None:
@@ -194,8 +216,15 @@ def _bulk_id(action: str, where: RunFilter, from_step: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _record(rt: Runtime, report: BulkReport, where: RunFilter, from_step: Any, by: str | None) -> None:
-    """One ``bulk`` activity entry: who, the filter, and the counts."""
+def _record(
+    rt: Runtime,
+    report: BulkReport,
+    where: RunFilter,
+    from_step: Any,
+    by: str | None,
+    interrupted: bool = False,
+) -> None:
+    """One ``bulk`` activity entry: who, the filter, and the counts (``interrupted``: so far)."""
     details = {
         "action": report.action,
         "bulk": report.bulk_id,
@@ -206,6 +235,7 @@ def _record(rt: Runtime, report: BulkReport, where: RunFilter, from_step: Any, b
         "matched": report.matched,
         "acted": report.acted,
         "skipped": report.skipped,
+        **({"interrupted": True} if interrupted else {}),
     }
     with rt.db.begin() as conn:
         activity_rows.record_txn(rt.db, conn, "bulk", None, where.workflow, None, details)

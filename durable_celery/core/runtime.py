@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -48,6 +49,10 @@ class Outbox(Protocol):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message handed over is sent; False if ``timeout`` passed first."""
+        ...
+
+    def gathering(self) -> AbstractContextManager[None]:
+        """A block whose background sends go out together when it ends (a bulk action's page)."""
         ...
 
 

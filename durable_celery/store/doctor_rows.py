@@ -28,9 +28,11 @@ def _kept_event() -> Any:
 def _woken_by_now() -> Any:
     """The run's wait is over: its event is kept, or it waits for children and none is left."""
     child = runs.alias("child")
-    unfinished_child = (
-        select(child.c.id).where(child.c.parent_id == runs.c.id, child.c.status.in_(UNFINISHED)).exists()
-    )
+    # ix_durable_runs_unfinished_children's condition: a probe per waiting parent, not a hash of
+    # every unfinished run.
+    of_run = (child.c.parent_id == runs.c.id, child.c.parent_id.is_not(None))
+    unfinished = (*of_run, child.c.finished_at.is_(None))
+    unfinished_child = select(child.c.id).where(*unfinished).exists()
     return or_(_kept_event(), and_(runs.c.wait_name == CHILDREN_WAIT, ~unfinished_child))
 
 

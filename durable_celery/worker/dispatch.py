@@ -4,6 +4,7 @@ background publisher), and the runs whose message could not be sent flagged for 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ..definition import Registry, Workflow
@@ -98,3 +99,7 @@ class CeleryOutbox:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message queued here is sent (or flagged); False on time-out."""
         return self.publisher.flush(timeout)
+
+    def gathering(self) -> AbstractContextManager[None]:
+        """A block whose background sends go to the broker together when it ends."""
+        return self.publisher.gathering()

@@ -48,7 +48,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,7 @@ LINGER = 0.02
 # Lingering pays only while messages come faster than this fraction of ``linger`` apart (500 a
 # second at the default): a start in a slower stream goes at once, as a lone start always did.
 FAST_PACE = 0.1
+GATHER_CHECK = 1.0  # inside gathering(): how often the lingering thread looks again
 GAP_WEIGHT = 0.5  # how much the newest gap moves the mean gap
 EXIT_FLUSH_SECONDS = 30.0  # the longest a worker's flush after a task waits (task_postrun)
 # At exit, after the held runs are flagged for the relay, how long the broker gets to take them.
@@ -176,6 +177,7 @@ class Publisher:
         self._stopping = False
         self._idle = False  # the thread waits for a first message: wake it for one
         self._hurry = False  # a flush waits: stop lingering
+        self._gathering = 0  # callers inside gathering(): hold messages for one batch
         self._arrived, self._gap = 0.0, self.linger  # the last message's monotonic time; the mean gap
         self._failing = False  # log a broker outage once, not once per batch
         # The producer of background sends, one connection held; used under _send_lock only.
@@ -234,6 +236,19 @@ class Publisher:
                 self._start_thread()
             elif self._idle or len(self._queue) >= BATCH:
                 self._cond.notify()  # a lingering thread is not woken per message
+
+    @contextlib.contextmanager
+    def gathering(self) -> Iterator[None]:
+        """Hold the background sends queued inside the block (up to a batch) and send them
+        together when it ends: many sends at a slow pace (a bulk action) go in few batches."""
+        with self._cond:
+            self._gathering += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._gathering -= 1
+                self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message queued so far is sent or flagged; False on timeout.
@@ -343,12 +358,13 @@ class Publisher:
 
     def _linger(self, cond: threading.Condition) -> None:
         """While messages come fast (their mean gap under a tenth of ``linger``), wait up to
-        ``linger`` for more, so one batch carries them; at a slower pace each goes at once."""
-        if not self.linger or self._gap > self.linger * FAST_PACE:
+        ``linger`` for more, so one batch carries them; at a slower pace each goes at once.
+        Inside ``gathering()`` wait until it ends or a batch is full."""
+        if not self._gathering and (not self.linger or self._gap > self.linger * FAST_PACE):
             return
         deadline = time.monotonic() + self.linger
         while len(self._queue) < BATCH and not (self._hurry or self._stopping):
-            left = deadline - time.monotonic()
+            left = GATHER_CHECK if self._gathering else deadline - time.monotonic()
             if left <= 0 or cond is not self._cond:
                 break
             cond.wait(left)

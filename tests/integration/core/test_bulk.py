@@ -200,3 +200,27 @@ def test_a_bulk_action_walks_its_runs_in_pages_and_says_how_far_it_got(
     assert (report.matched, report.acted) == (30, 30)
     assert said == [f"{n:,} of 30 runs looked at" for n in (7, 14, 21, 28, 30)]
     assert {durable.get_run(r).status for r in ids} == {"cancelled"}
+
+
+def test_an_interrupted_bulk_action_leaves_its_entry_and_run_again_does_the_rest(
+    durable: Any, monkeypatch: Any
+) -> None:
+    from durable_celery.core import bulk as bulk_actions
+
+    monkeypatch.setattr(bulk_actions, "BATCH", 5)
+    wf = durable.workflow("cut")
+    wf.step(lambda n: n, name="only")
+    ids = [durable.start(wf, {"n": n}, tags={"cut": "yes"}) for n in range(12)]
+
+    def stop_after_first_page(line: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        durable.bulk("cancel", tags={"cut": "yes"}, by="ops", progress=stop_after_first_page)
+    (cut,) = durable.activity(kinds="bulk", workflow=None)
+    assert cut.details["interrupted"] is True and cut.details["acted"] == 5 and cut.details["by"] == "ops"
+    assert sum(durable.get_run(r).status == "cancelled" for r in ids) == 5
+    report = durable.bulk("cancel", tags={"cut": "yes"}, by="ops")
+    assert report.bulk_id == cut.details["bulk"]
+    assert (report.acted, sum(report.skipped.values())) == (7, 5)
+    assert {durable.get_run(r).status for r in ids} == {"cancelled"}

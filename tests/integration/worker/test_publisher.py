@@ -349,6 +349,31 @@ def test_a_steady_stream_goes_out_in_batches_and_a_lone_start_at_once(pg_url, br
     durable.db.dispose()
 
 
+@pytest.mark.parametrize("backend", BROKERS)
+def test_slow_sends_inside_gathering_go_out_together_when_it_ends(pg_url, broker_url):
+    queue = queue_name()
+    durable = make(pg_url, broker_url, queue)
+    sizes: list[int] = []
+    send = durable.publisher._send_batch
+
+    def counted(batch):
+        sizes.append(len(batch))
+        return send(batch)
+
+    durable.publisher._send_batch = counted
+    with durable.outbox.gathering():  # a bulk action's page: one retry every 30 ms
+        started = []
+        for n in range(12):
+            started.append(durable.start("ship", {"order": n}, key=f"g-{n}"))
+            time.sleep(0.03)  # slower than the publisher lingers for: alone, each would go at once
+        assert sizes == []  # held while the block runs
+    assert durable.flush(timeout=10)
+    assert sizes == [12]
+    assert sorted(sent_run_ids(durable.app, queue)) == sorted(started)
+    delete_queue(durable.app, queue)
+    durable.db.dispose()
+
+
 @pytest.mark.parametrize("linger", [-0.1, 2, "0.02", True])
 def test_publish_linger_outside_0_to_1_second_is_refused(linger):
     from durable_celery.errors import InvalidDefinition
