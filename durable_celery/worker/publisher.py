@@ -21,21 +21,7 @@ Nothing gets weaker, because the run row is the outbox:
   is a refusal like any other;
 - a worker flushes after every task (``task_postrun``), so what a step started is sent before
   its task is acknowledged, and a forked child starts with an empty queue of its own (the parent
-  sends what it queued);
-- **at exit** (``atexit``; a multiprocessing child from its finalizers; a Celery pool process on
-  ``worker_process_shutdown``) the runs of every message still held are flagged
-  ``published=false`` first, in one statement, and the broker then gets up to ``EXIT_SECONDS``
-  to take them. Flagged first, a process stopped during that wait (SIGTERM, a ``timeout``
-  wrapper, a container stop) leaves no run marked sent whose message never left; a message that
-  did leave is sent once more by the relay, and the copy is dropped at the claim;
-- a message lost with a process that died without exiting (``kill -9``) is sent by the relay
-  ``relay_after`` after the run became due, exactly like one lost between commit and publish
-  (at once when a worker reconnects to a broker that lost it: relay.py).
-
-Messages are Celery's own: built by ``amqp.create_task_message`` and sent by
-``amqp.send_task_message`` (the publish signals, ``argsrepr``/``kwargsrepr`` for Flower), with
-the routing ``app.send_task`` would use worked out once per step task and queue.
-"""
+  sends what it queued). At exit the runs of held messages are flagged for the relay first."""
 
 from __future__ import annotations
 
@@ -239,8 +225,7 @@ class Publisher:
 
     @contextlib.contextmanager
     def gathering(self) -> Iterator[None]:
-        """Hold the background sends queued inside the block (up to a batch) and send them
-        together when it ends: many sends at a slow pace (a bulk action) go in few batches."""
+        """Hold the block's background sends (up to a batch) and send them together at its end."""
         with self._cond:
             self._gathering += 1
         try:
@@ -359,7 +344,7 @@ class Publisher:
     def _linger(self, cond: threading.Condition) -> None:
         """While messages come fast (their mean gap under a tenth of ``linger``), wait up to
         ``linger`` for more, so one batch carries them; at a slower pace each goes at once.
-        Inside ``gathering()`` wait until it ends or a batch is full."""
+        Inside ``gathering()``: until it ends or a batch is full."""
         if not self._gathering and (not self.linger or self._gap > self.linger * FAST_PACE):
             return
         deadline = time.monotonic() + self.linger
