@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from tests.chaos.atomic_workflows import ATOMIC, BOOK
+from tests.chaos.atomic_workflows import ATOMIC, BOOK, PLAIN
 from tests.chaos.checks import (
     RERUN_FAULTS,
     SHOWN,
@@ -42,6 +42,9 @@ from tests.chaos.load import Start
 # What a run told to fail on every attempt fails with: its own error, or the database outage when
 # that broke its last attempt (every attempt but the last raised Declined).
 FAILED_WITH = ("Declined", "DatabaseUnavailable")
+# A step that is not atomic writes on its own connection: the outage breaks that one as psycopg's
+# own error (the server terminating it, or no server to connect to), raised by the step itself.
+OWN_CONNECTION_BROKEN = ("AdminShutdown", "OperationalError", "InterfaceError")
 # A PostgreSQL outage breaks the transaction of a step in progress: from a second before it
 # (pg_ctl's stop takes a moment to reach every backend) to a second after it was back.
 OUTAGE_REACH = 1.0
@@ -65,7 +68,7 @@ def load_ledger(conn: psycopg.Connection[Any], workflow: str) -> LedgerSnapshot:
     runs = {}
     query = "SELECT id, status, error, input FROM durable_runs WHERE workflow = %s"
     for rid, status, error, data in conn.execute(query, (workflow,)):
-        runs[rid] = {"status": status, "error": error or {}, "input": data}
+        runs[rid] = {"status": status, "error": error or {}, "input": data, "workflow": workflow}
     rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
     query = (
         "SELECT run_id, account, amount, attempt, fence, pid FROM atomic_ledger "
@@ -201,6 +204,11 @@ def _check_row_writer(snap: LedgerSnapshot, rid: str, row: dict[str, Any], viola
         violations.append(f"run {rid}: its ledger row {row} is not the recorded execution's {writers}")
 
 
+def _failed_with(run: dict[str, Any]) -> tuple[str, ...]:
+    """The errors a run told to fail on every attempt may end with."""
+    return FAILED_WITH + (OWN_CONNECTION_BROKEN if run.get("workflow") == PLAIN else ())
+
+
 def check_runs(
     snap: LedgerSnapshot,
     starts: list[Start],
@@ -235,7 +243,7 @@ def check_runs(
             report.problem(f"run {rid}: a cancel returned True, but it ended {status}")
         elif not cancelled and status not in wanted:
             report.problem(f"run {rid} ended {status}, not {wanted[0]}: {run['error']}")
-        elif status == "failed" and run["error"].get("type") not in FAILED_WITH:
+        elif status == "failed" and run["error"].get("type") not in _failed_with(run):
             report.problem(f"run {rid} failed with {run['error']}, not its own Declined")
     for rid in set(snap.runs) - set(inputs):
         report.problem(f"run {rid} was started by nobody")
