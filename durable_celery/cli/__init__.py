@@ -319,12 +319,14 @@ def _echo_key_stats(stats: dict[str, Any]) -> None:
         f"hand-offs: {n(stats['handoffs'])}   released: {n(stats['releases'])}   "
         f"retaken: {n(stats['retakes'])}"
     )
+    of = stats.get("breakdown_of", 0)
+    newest = f" (of the newest {of:,})" if of < stats["readds"] else ""
     if stats["readds_by_outcome"]:
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats["readds_by_outcome"].items()))
-        click.echo(f"re-adds by outcome: {outcomes}")
+        click.echo(f"re-adds by outcome{newest}: {outcomes}")
     if stats["top_keys"]:
         click.echo(
-            "most re-added: "
+            f"most re-added{newest}: "
             + ", ".join(f"{t['workflow']}/{t['key']} ({t['readds']})" for t in stats["top_keys"])
         )
 

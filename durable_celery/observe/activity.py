@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from ..core.sweeps import ACTIVITY_KEPT
@@ -174,6 +174,10 @@ def list_pending_inputs(rt: Runtime, workflow: str | None = None, limit: int = 1
     ]
 
 
+# The newest re-adds the key statistics break down by outcome and key.
+READDS_BROKEN_DOWN = 1000
+
+
 class Stats:
     """Aggregates for dashboards and alerts: ``durable.stats.keys(workflow=...)``."""
 
@@ -184,43 +188,54 @@ class Stats:
         """Keys held and how many of them block a new start, re-adds by outcome, dropped inputs,
         hand-offs, re-adds per hour of the last day, and the keys re-added most (over the week
         activity is kept). Every count stops past ``count_cap`` (``capped``: one did; read
-        "10,000+"), so the report reads the same few rows at any volume."""
+        "10,000+"); the breakdown by outcome and key covers the newest ``breakdown_of`` re-adds
+        (at most ``READDS_BROKEN_DOWN``): the report reads the same few rows at any volume."""
         now, cap = self.rt.db.utcnow(), COUNT_CAP
+        since = now - ACTIVITY_KEPT
         with self.rt.db.engine.connect() as conn:
             held = key_rows.count_keys(conn, workflow, cap)
-            blocking = sum(int(r.n) for r in key_rows.keys_of_unfinished(conn, workflow))
-            for name, statuses in self._finished_blocking(workflow):
-                blocking += key_rows.count_finished_holders(conn, name, statuses, cap)
-            entries = activity_rows.key_activity(conn, workflow, now - ACTIVITY_KEPT, cap)
-        by_kind = Counter(e.kind for e in entries)
-        duplicates = [e for e in entries if e.kind == "key_duplicate"]
-        day = now - timedelta(days=1)
-        per_hour = Counter(
-            aware(e.at).replace(minute=0, second=0, microsecond=0)  # type: ignore[union-attr]
-            for e in duplicates
-            if aware(e.at) >= day  # type: ignore[operator]
-        )
-        top = Counter((e.workflow, e.key) for e in duplicates)
-        shown = {kind: min(n, cap) for kind, n in by_kind.items()}
+            blocking = self._blocking(conn, workflow, cap)
+            counts = activity_rows.key_counts(conn, workflow, since, cap)
+            hourly = activity_rows.readds_per_hour(conn, workflow, now - timedelta(days=1), cap)
+            newest = activity_rows.newest_readds(conn, workflow, since, READDS_BROKEN_DOWN)
+        top = Counter((e.workflow, e.key) for e in newest)
+        shown = {kind: min(n, cap) for kind, n in counts.items()}
         return {
             "keys_held": min(held, cap),
             "blocking": min(blocking, cap),
-            "readds": shown.get("key_duplicate", 0),
-            "readds_by_outcome": dict(Counter(e.outcome for e in duplicates)),
+            "readds": shown["key_duplicate"],
+            "readds_by_outcome": dict(Counter(e.outcome for e in newest)),
             "dropped_inputs": sum(
-                1 for e in duplicates if e.outcome in ("use_existing", "error") and e.input_changed
+                1 for e in newest if e.outcome in ("use_existing", "error") and e.input_changed
             ),
-            "handoffs": shown.get("key_handed_off", 0),
-            "releases": shown.get("key_released", 0),
-            "retakes": shown.get("key_retaken", 0),
-            "readds_over_time": [{"hour": h, "count": n} for h, n in sorted(per_hour.items())],
+            "handoffs": shown["key_handed_off"],
+            "releases": shown["key_released"],
+            "retakes": shown["key_retaken"],
+            "readds_over_time": [
+                {"hour": datetime.fromtimestamp(hour * 3600, timezone.utc), "count": n}
+                for hour, n in sorted(hourly.items())
+            ],
             "top_keys": [
                 {"workflow": w, "key": k, "readds": n}
                 for (w, k), n in sorted(top.items(), key=lambda item: (-item[1], item[0][1] or ""))[:10]
             ],
+            "breakdown_of": len(newest),
             "count_cap": cap,
-            "capped": held > cap or blocking > cap or any(n > cap for n in by_kind.values()),
+            "capped": held > cap or blocking > cap or any(n > cap for n in counts.values()),
         }
+
+    def _blocking(self, conn: Any, workflow: str | None, cap: int) -> int:
+        """Keys a new start cannot take: those of unfinished holders, and of finished holders
+        whose workflow's ``reuse`` keeps the key (``never``: every key of the workflow not held
+        by an unfinished run, counted from the keys' index alone), up to about ``cap``."""
+        unfinished = {row.workflow: int(row.n) for row in key_rows.keys_of_unfinished(conn, workflow)}
+        blocking = sum(unfinished.values())
+        for name, statuses in self._finished_blocking(workflow):
+            if set(statuses) == set(FINISHED):
+                blocking += max(key_rows.count_keys(conn, name, cap) - unfinished.get(name, 0), 0)
+            else:
+                blocking += key_rows.count_finished_holders(conn, name, statuses, cap)
+        return blocking
 
     def _finished_blocking(self, workflow: str | None) -> list[tuple[str, tuple[str, ...]]]:
         """Per workflow defined here whose ``reuse`` keeps a finished holder's key, the final

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, insert, select, union_all
+from sqlalchemy import Connection, Integer, cast, delete, func, insert, select
 
 from .bounded import COUNT_CAP
 from .db import Clock, Database
@@ -78,26 +78,65 @@ def counts_by_key(
 KEY_KINDS = ("key_duplicate", "key_handed_off", "key_released", "key_retaken")
 
 
-def key_activity(
+def _of_kind(kind: str, workflow: str | None, since: datetime, until: datetime | None = None) -> Any:
+    """Entries of ``kind`` (of ``workflow``) from ``since`` (to ``until``): an index range of
+    (kind, at), or of (workflow, kind, at) for one workflow."""
+    query = select(activity.c.at).where(activity.c.kind == kind, activity.c.at >= since)
+    if until is not None:
+        query = query.where(activity.c.at < until)
+    return query if workflow is None else query.where(activity.c.workflow == workflow)
+
+
+def _capped(query: Any, cap: int) -> Any:
+    """SQL: how many rows ``query`` gives, counting at most ``cap + 1``: read newest first from
+    its index alone (in that order, no plan reads the table hoping to meet the cap early)."""
+    newest = query.order_by(activity.c.at.desc()).limit(cap + 1).subquery()
+    return select(func.count()).select_from(newest).scalar_subquery()
+
+
+def key_counts(
     conn: Connection, workflow: str | None, since: datetime, cap: int = COUNT_CAP
-) -> Sequence[Any]:
-    """The newest ``cap + 1`` entries of each key kind since ``since`` (``kind``, ``workflow``,
-    ``key``, ``outcome``, ``input_changed``, ``at``), for the key statistics: each kind an
-    index range of (kind, at), read newest first and stopped at the cap."""
-    parts = []
-    for kind in KEY_KINDS:
-        query = select(
-            activity.c.kind,
+) -> dict[str, int]:
+    """Entries of each key kind since ``since``, each counted up to ``cap + 1``, in one statement
+    that reads index entries only: the same few pages at any volume past the cap."""
+    counts = [_capped(_of_kind(kind, workflow, since), cap).label(kind) for kind in KEY_KINDS]
+    row = conn.execute(select(*counts)).one()
+    return {kind: int(n or 0) for kind, n in zip(KEY_KINDS, row, strict=True)}
+
+
+def readds_per_hour(
+    conn: Connection, workflow: str | None, since: datetime, cap: int = COUNT_CAP
+) -> dict[int, int]:
+    """Re-adds since ``since`` per hour (hours since the epoch, UTC), of the newest ``cap + 1``:
+    one index range read newest first, grouped."""
+    newest = (
+        _of_kind("key_duplicate", workflow, since).order_by(activity.c.at.desc()).limit(cap + 1).subquery()
+    )
+    if conn.dialect.name == "postgresql":
+        hour: Any = func.floor(func.extract("epoch", newest.c.at) / 3600)
+    else:  # SQLite keeps the time as UTC text
+        hour = cast(func.strftime("%s", newest.c.at), Integer) // 3600
+    query = select(hour.label("hour"), func.count().label("n")).group_by(hour)
+    return {int(row.hour): int(row.n) for row in conn.execute(query)}
+
+
+def newest_readds(conn: Connection, workflow: str | None, since: datetime, count: int) -> Sequence[Any]:
+    """The newest ``count`` re-adds since ``since`` (``workflow``, ``key``, ``outcome``,
+    ``input_changed``): what the statistics break down by outcome and key."""
+    query = (
+        select(
             activity.c.workflow,
             activity.c.key,
             activity.c.details["outcome"].as_string().label("outcome"),
             activity.c.details["input_changed"].as_boolean().label("input_changed"),
-            activity.c.at,
-        ).where(activity.c.kind == kind, activity.c.at >= since)
-        if workflow is not None:
-            query = query.where(activity.c.workflow == workflow)
-        parts.append(query.order_by(activity.c.at.desc()).limit(cap + 1).subquery().select())
-    return conn.execute(union_all(*parts)).all()
+        )
+        .where(activity.c.kind == "key_duplicate", activity.c.at >= since)
+        .order_by(activity.c.at.desc())
+        .limit(count)
+    )
+    if workflow is not None:
+        query = query.where(activity.c.workflow == workflow)
+    return conn.execute(query).all()
 
 
 def runs_per_key(conn: Connection, workflow: str | None, pairs: Sequence[tuple[str, str]]) -> dict[Any, int]:

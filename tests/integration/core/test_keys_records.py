@@ -628,3 +628,26 @@ def test_a_start_that_keeps_finding_the_key_gone_is_refused_naming_the_key(durab
         durable.start(wf, {"n": 2}, key="k")
     assert str(contended.value) == f"key 'k' of {wf.name!r} changed hands 3 times"
     assert [r.id for r in durable.list_runs()] == [holder]
+
+
+def test_key_statistics_count_every_readd_and_break_down_the_newest(durable, seen, monkeypatch):
+    """Counts and hours cover every re-add (up to the cap); the breakdown by outcome and key
+    covers the newest ``READDS_BROKEN_DOWN``, which ``breakdown_of`` says; with reuse="never"
+    every kept key of a finished run blocks a start."""
+    from durable_celery.observe import activity as observed
+
+    monkeypatch.setattr(observed, "READDS_BROKEN_DOWN", 2)
+    wf = two_step_workflow(durable, reuse="never")
+    holder = started_run(durable, wf, seen, {"n": 1}, key="a")
+    for n in range(3):
+        assert durable.start(wf, {"n": n}, key="a") == holder
+    seen.clear()
+    done = started_run(durable, wf, seen, {"n": 1}, key="b")
+    set_run(durable, done, status="completed")
+    stats = durable.stats.keys(workflow=wf.name)
+    assert (stats["keys_held"], stats["blocking"]) == (2, 2)
+    assert stats["readds"] == 3 and sum(h["count"] for h in stats["readds_over_time"]) == 3
+    assert stats["breakdown_of"] == 2
+    assert stats["readds_by_outcome"] == {"use_existing": 2}
+    assert stats["top_keys"] == [{"workflow": wf.name, "key": "a", "readds": 2}]
+    assert stats["dropped_inputs"] == 1  # of the newest two, {"n": 2} changed the input ({"n": 1} did not)

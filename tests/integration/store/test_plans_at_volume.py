@@ -57,9 +57,9 @@ MISSED_WAKEUPS = (
     "wake-ups' NOT EXISTS; at 10,000,000 it probes ix_durable_events_run_name per waiting run"
 )
 READDS = (
-    "at 1,000,000 runs a week of activity is 16,000 rows, fewer re-adds than the read's LIMIT: the "
-    "planner reads them all by (kind, at) and sorts; at 10,000,000 (152,000) it reads "
-    "ix_durable_activity_kind_at newest first and stops"
+    "at 1,000,000 runs durable_activity is 16,000 rows, over half of them the week's re-adds: the "
+    "planner reads the table rather than ix_durable_activity_kind_at for the capped counts and the "
+    "most re-added keys; at 10,000,000 (152,000 re-adds) it reads the index newest first and stops"
 )
 AT_CI_SIZE = {
     "doctor()": MISSED_WAKEUPS,
