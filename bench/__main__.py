@@ -62,6 +62,12 @@ BENCHES = (
         ("--parked", "1000", "--other-keys", "100", "--claims", "200", "--starts", "100", "--rounds", "2"),
     ),
     Bench(
+        "fair",
+        "fair share and priority: small tenants' waits behind a 10,000-run backlog, weights' shares",
+        (),
+        ("--backlog", "300", "--small", "3", "--stream-s", "3", "--prefill", "50"),
+    ),
+    Bench(
         "atomic",
         "an atomic step against a plain one: statements and round trips per step, runs/s",
         (),

@@ -250,6 +250,7 @@ SELECT kind, id, workflow, akey, details, pg_temp.ts(at) FROM (
 OPTIONAL = {
     "tags": "CASE WHEN w = 4 THEN jsonb_build_object('tenant', 't-' || (h / 41) % 500) END",
     "progress": "CASE WHEN w = 6 THEN jsonb_build_object('done', last + 1, 'of', nsteps) END",
+    "line_at": "pg_temp.ts(created)",  # a run's place in its limit's line: its start (priority 0)
 }
 
 HISTORY_RUNS = f"""

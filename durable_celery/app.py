@@ -102,13 +102,6 @@ class Durable(ScheduleMethods):
         self.registry.starter = self.starter
         self.stats = Stats(self.runtime)
         self.answers = answers.Answers(self.db)  # callers waiting for runs to end (result)
-        if self.settings.stale_lock_timeout < 3 * self.settings.heartbeat_interval:
-            log.warning(
-                "durable: stale_lock_timeout (%ss) is under 3 x heartbeat_interval (%ss): "
-                "a slow heartbeat may hand a live step to another worker",
-                self.settings.stale_lock_timeout,
-                self.settings.heartbeat_interval,
-            )
         # Then bind to Celery: broker, beat, worker bootsteps, signals and tasks.
         self._use_embedded_broker_if_unset()
         beat.default_loop_interval(app)  # run-time schedules are seen within seconds
@@ -217,15 +210,23 @@ class Durable(ScheduleMethods):
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
         tags: Mapping[str, str] | None = None,
+        priority: int | None = None,
     ) -> str:
         """Start a run and return its id, or the id the key's holder answers with.
 
         The first step is published once the transaction commits; with ``connection`` the
         run is written in the caller's open transaction and goes out after their commit.
         ``tags`` (str to str) are kept with the run, its children and its reruns and forks.
+        ``priority`` (the workflow's when None): among runs waiting for a flow limit, higher first.
         """
         return self.starter.start(
-            workflow, input, key=key, on_duplicate=on_duplicate, connection=connection, tags=tags
+            workflow,
+            input,
+            key=key,
+            on_duplicate=on_duplicate,
+            connection=connection,
+            tags=tags,
+            priority=priority,
         )
 
     def result(self, run_id: str, timeout: float | None = None) -> Any:
@@ -258,10 +259,13 @@ class Durable(ScheduleMethods):
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
         tags: Mapping[str, str] | None = None,
+        priority: int | None = None,
     ) -> str:
         """``start`` without blocking the event loop; ``connection``: an AsyncConnection or
         AsyncSession whose open transaction the start joins."""
-        start = partial(self.start, workflow, input, key=key, on_duplicate=on_duplicate, tags=tags)
+        start = partial(
+            self.start, workflow, input, key=key, on_duplicate=on_duplicate, tags=tags, priority=priority
+        )
         if connection is None:
             return await asyncio.to_thread(start)
         return await connection.run_sync(lambda sync: start(connection=sync))  # type: ignore[no-any-return]

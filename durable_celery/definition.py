@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from .errors import InvalidDefinition, InvalidKey, InvalidStart, NotConfigured, UnknownWorkflow
 from .inputs import check_key
-from .limits import FlowLimit
+from .limits import FlowLimit, check_priority
 
 REUSE = ("after_close", "after_failure", "never")
 ON_DUPLICATE = ("use_existing", "error", "cancel_existing", "run_again")
@@ -144,6 +144,8 @@ class Workflow:
     concurrency: Any = None
     throttle: Any = None
     rate_limit: Any = None
+    # Among runs waiting for the same limit, higher goes first (aged: see core/runs.py); 0 default.
+    priority: int = 0
     steps: list[Step] = field(default_factory=list)
     # The registry of the Durable it was defined on (None: shared, or not yet bound).
     registry: Registry | None = field(default=None, repr=False)
@@ -176,6 +178,7 @@ class Workflow:
         self.concurrency = FlowLimit.parse("concurrency", self.concurrency)
         self.throttle = FlowLimit.parse("throttle", self.throttle)
         self.rate_limit = FlowLimit.parse("rate_limit", self.rate_limit)
+        self.priority = check_priority(self.priority, InvalidDefinition)
 
     # -- definition -------------------------------------------------------------------------
 
@@ -333,13 +336,20 @@ class Workflow:
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
         tags: Mapping[str, str] | None = None,
+        priority: int | None = None,
     ) -> str:
         """Start a run of this workflow; returns the run id (see ``Durable.start``)."""
         registry = self.bound()
         if registry.starter is None:
             raise NotConfigured(f"workflow {self.name!r} belongs to a Durable that cannot start runs")
         return registry.starter.start(
-            self, input, key=key, on_duplicate=on_duplicate, connection=connection, tags=tags
+            self,
+            input,
+            key=key,
+            on_duplicate=on_duplicate,
+            connection=connection,
+            tags=tags,
+            priority=priority,
         )
 
     def bound(self) -> Registry:
@@ -371,10 +381,14 @@ class Workflow:
         return key
 
     def flow_keys(self, data: dict[str, Any]) -> dict[str, str | None]:
-        """A new run's flow-control keys (``slot_key``, ``throttle_key``, ``rate_key``): None
-        where the workflow has no such limit; InvalidStart if a template needs a missing field."""
+        """A new run's flow-control keys (``slot_key``, ``throttle_key``, ``rate_key``, and
+        ``fair_key`` under a fair concurrency limit): None where the workflow has no such limit;
+        InvalidStart if a template needs a missing field."""
         limits = {"slot_key": self.concurrency, "throttle_key": self.throttle, "rate_key": self.rate_limit}
-        return {col: None if lim is None else lim.key_for(data, self.name) for col, lim in limits.items()}
+        found = {col: None if lim is None else lim.key_for(data, self.name) for col, lim in limits.items()}
+        if self.concurrency is not None:
+            found["fair_key"] = self.concurrency.fair_key_for(data, self.name)
+        return found
 
     def check_fits(self, data: Mapping[str, Any]) -> None:
         """Raise InvalidStart unless every step (and compensation) can be called with ``data``
@@ -444,6 +458,7 @@ class Starter(Protocol):
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
         tags: Mapping[str, str] | None = None,
+        priority: int | None = None,
     ) -> str:
         """Start a run; returns its id or the key's holder's."""
         ...

@@ -42,6 +42,8 @@ class Run:
     # the run it was forked from (durable.fork).
     tags: dict[str, str] = field(default_factory=dict)
     forked_from: str | None = None
+    # Among runs waiting for the same flow limit, higher goes first (0 the default).
+    priority: int = 0
 
     @property
     def finished(self) -> bool:
@@ -54,6 +56,7 @@ class Run:
         data = row._mapping
         values = {f.name: data[f.name] for f in fields(cls)}
         values["tags"] = values["tags"] or {}
+        values["priority"] = values["priority"] or 0
         for name in ("created_at", "started_at", "finished_at"):
             values[name] = aware(values[name])
         return cls(**values)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidArgument, InvalidDefinition
 from .store.db import masked_url
+
+log = logging.getLogger("durable_celery")
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -68,6 +71,9 @@ class Settings:
     # most inline_seconds, then publishes the next one.
     inline_steps: int = 20
     inline_seconds: float = 10.0
+    # Priority ages (core/runs.py): a run of priority p waits in its limit's line as if it had
+    # been started p * priority_aging seconds earlier.
+    priority_aging: float = 60.0
 
     def __repr__(self) -> str:
         shown = []
@@ -109,6 +115,13 @@ class Settings:
         _check_metrics_port(settings.metrics_port)
         _check_read_database_url(settings.read_database_url, url)
         settings = replace(settings, prune=check_prune_rules(settings.prune))
+        if settings.stale_lock_timeout < 3 * settings.heartbeat_interval:
+            log.warning(
+                "durable: stale_lock_timeout (%ss) is under 3 x heartbeat_interval (%ss): "
+                "a slow heartbeat may hand a live step to another worker",
+                settings.stale_lock_timeout,
+                settings.heartbeat_interval,
+            )
         if settings.database_url is None:
             path = os.path.abspath(os.path.join(settings.home, "durable.sqlite3"))
             settings = replace(settings, database_url=f"sqlite:///{path}")
@@ -128,6 +141,7 @@ def _check_positive(settings: Settings) -> None:
         "shutdown_grace_period",
         "missing_code_retry",
         "schedule_pickup_timeout",
+        "priority_aging",
         "prune_interval",
         "inline_seconds",
     ):

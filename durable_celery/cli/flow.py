@@ -23,13 +23,15 @@ def flow(ctx: click.Context, workflow: str | None, limit: int, as_json: bool) ->
     """Flow control: per workflow with concurrency, throttle or rate_limit, its limits and per
     key their use, keys with most runs waiting first.
 
-    concurrency: slots in use of the limit, and runs parked for a slot (served in start
-    order). throttle: runs begun (a worker claimed their first step) in the current period, runs
+    concurrency: slots in use of the limit, and runs parked for a slot (served in line: start
+    order, higher priorities first, round the fair keys). throttle: runs begun (a worker
+    claimed their first step) in the current period, runs
     parked until the window lets them begin, and when the soonest looks again ("again at").
     rate_limit: starts in the current period (a start past the limit raises RateLimited; "again
     at": when one is accepted again). Under a key with runs parked, "held:" says why they wait,
-    in the words of the first one's run page. Only workflows defined in the app given with -A
-    are shown.
+    in the words of the first one's run page. Under a fair limit, each fair key's weight, slots
+    in use (and share of them) and runs waiting; runs held per priority when any has one. Only
+    workflows defined in the app given with -A are shown.
     """
     from ..observe.flow import flow_report
 
@@ -42,6 +44,12 @@ def flow(ctx: click.Context, workflow: str | None, limit: int, as_json: bool) ->
             for key in entry.keys:
                 line = {"workflow": entry.workflow, "limits": entry.limits, **asdict(key)}
                 click.echo(json.dumps(line, default=_jsonable))
+            for share in entry.fair:
+                line = {"workflow": entry.workflow, "kind": "fair", **asdict(share)}
+                click.echo(json.dumps(line, default=_jsonable))
+            if set(entry.priorities) - {0}:
+                line = {"workflow": entry.workflow, "kind": "priorities", "held": entry.priorities}
+                click.echo(json.dumps(line))
         return
     if not found:
         click.echo("no workflow defined here has a concurrency, throttle or rate_limit option")
@@ -72,6 +80,15 @@ def _echo_workflow(entry: Any) -> None:
         )
         if key.held:
             click.echo(f"    held: {key.held}")
+    for share in entry.fair:
+        click.echo(
+            f"  fair {share.key[:32]:32}  weight {share.weight:g}  {share.in_use} in use "
+            f"({share.share:.0%})  {share.waiting} waiting  "
+            f"oldest waiting start {_when(share.oldest_waiting)}"
+        )
+    if set(entry.priorities) - {0}:
+        held = ", ".join(f"{p}: {n}" for p, n in sorted(entry.priorities.items(), reverse=True))
+        click.echo(f"  held by priority: {held}")
 
 
 def _when(at: datetime | None) -> str:

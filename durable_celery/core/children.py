@@ -147,7 +147,7 @@ def _prepare(
     child_key = wf.derive_key(data, key)
     if child_key is not None:
         rt.require(Capability.IDEMPOTENCY_KEY, "child", "key", wf.name)
-    child = new_run(rt.default_queue(), wf, data, child_key, tags)
+    child = new_run(rt.default_queue(), wf, data, child_key, tags, aging=rt.settings.priority_aging)
     child.update(parent_id=run.id, parent_ref=ref, context=dict(context or {}))
     return wf, child
 

@@ -14,6 +14,7 @@ from ..inputs import check_input
 from ..store import activity_rows, child_rows, control_rows, event_rows, key_rows, queries
 from ..store.schema import FINISHED, UNFINISHED
 from . import atomic
+from .flow import settle_parked_start
 from .keys import MAX_HANDS, Decision, end_run_txn, reuse_frees, start_run
 from .runs import new_run
 from .waits import INPUT, check_event
@@ -43,6 +44,8 @@ def after_commit(rt: Runtime, decision: Decision) -> None:
         signal.send(sender=rt.sender, **kwargs)
     for run_id in decision.cancel_children:
         cancel_children(rt, run_id)
+    for workflow, slot_key in decision.parked:
+        settle_parked_start(rt, workflow, slot_key)
     if decision.error is not None:
         raise decision.error
 
@@ -143,7 +146,10 @@ def rerun(rt: Runtime, run_id: str) -> str:
         raise NotFinished(f"run {run_id} is {run.status}")
     workflow = rt.registry.resolve(run.workflow)
     data = check_input(run.input, rt.settings.max_input_bytes)  # as start checks it
-    fresh = new_run(rt.default_queue(), workflow, data, workflow.derive_key(data, run.key), run.tags)
+    key = workflow.derive_key(data, run.key)
+    fresh = new_run(
+        rt.default_queue(), workflow, data, key, run.tags, run.priority, rt.settings.priority_aging
+    )
     rt.instrumentation.stamp_run(workflow, fresh)
     decision = start_run(rt, workflow, fresh, "error", fold=False)
     after_commit(rt, decision)

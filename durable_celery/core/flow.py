@@ -50,6 +50,9 @@ MIN_RECHECK = 0.25
 CLOCK_MARGIN = 0.02
 # Keys with parked runs the upkeep looks at per pass.
 KEYS_PER_PASS = 200
+# Under a fair limit a fair key's waiting runs are lined up this many seconds apart (divided by
+# its weight): a backlog of 10,000 runs reaches 10 s past the head of the line.
+FAIR_TURN = 0.001
 
 
 def limited(workflow: Workflow) -> bool:
@@ -60,13 +63,36 @@ def limited(workflow: Workflow) -> bool:
 # -- starts: rate_limit -------------------------------------------------------------------------
 
 
+def starts_in_transaction(workflow: Workflow, run: dict[str, Any]) -> bool:
+    """Does this start read flow state before its run is written (a rate limit's window; a
+    place in a concurrency limit's line, under a fair limit or with a priority), in a
+    transaction of its own?"""
+    return workflow.rate_limit is not None or _lined_up(workflow, run)
+
+
+def _lined_up(workflow: Workflow, run: dict[str, Any]) -> bool:
+    """Is the run placed in its slot key's line at its start (a fair limit, or a priority)?"""
+    slots: FlowLimit | None = workflow.concurrency
+    if slots is None or run.get("slot_key") is None:
+        return False
+    return slots.fair is not None or bool(run.get("priority"))
+
+
 def admit_start_txn(rt: Runtime, conn: Connection, workflow: Workflow, run: dict[str, Any]) -> None:
     """Inside the start's transaction, before its run is written: RateLimited if the run's rate
-    key had ``limit`` starts in the last ``period`` seconds. The key's lock is held until the
-    transaction ends, so racing starts are counted one after another."""
+    key had ``limit`` starts in the last ``period`` seconds (the key's lock is held until the
+    transaction ends, so racing starts are counted one after another); under a fair limit or
+    with a priority, the run takes its place in its slot key's line (``_line_up``)."""
     rate: FlowLimit | None = workflow.rate_limit
-    if rate is None:
-        return
+    if rate is not None:
+        _admit_rate(rt, conn, rate, run)
+    if _lined_up(workflow, run):
+        assert workflow.concurrency is not None
+        _line_up(rt, conn, workflow.concurrency, run)
+
+
+def _admit_rate(rt: Runtime, conn: Connection, rate: FlowLimit, run: dict[str, Any]) -> None:
+    """RateLimited if the run's rate key is full for now."""
     assert rate.period is not None
     db, name, key = rt.db, run["workflow"], run["rate_key"]  # a key for every run under a rate limit
     flow_rows.lock_key_txn(conn, "rate", name, key)
@@ -76,6 +102,34 @@ def admit_start_txn(rt: Runtime, conn: Connection, workflow: Workflow, run: dict
     oldest = aware(full_since) or db.utcnow()
     retry_after = max((oldest + timedelta(seconds=rate.period) - db.utcnow()).total_seconds(), 0.0)
     raise RateLimited(name, key, rate.limit, rate.period, round(retry_after, 3))
+
+
+def _line_up(rt: Runtime, conn: Connection, slots: FlowLimit, run: dict[str, Any]) -> None:
+    """The run's place in line, and whether it waits from its start.
+
+    Under a fair limit (start-time fair queuing) its place is its fair key's last place plus
+    one turn (``FAIR_TURN`` over the key's weight), but never before the head of the line (the
+    first parked run; now, when none is parked): so the slots go round the fair keys waiting,
+    each in proportion to its weight, FIFO within one, and a key that waited for nothing queues
+    behind nobody's backlog. A priority moves the place ``priority * priority_aging`` earlier.
+    When runs of the key are parked already, or its slots are all in use or promised, the new
+    run is parked at once (no message: the broker's queue holds no backlog of the key for it to
+    wait behind, only the messages of runs woken in line order); a freed slot wakes it. The
+    line is read without the key's lock (starts do not wait for claims and releases); a release
+    that emptied the line meanwhile is caught after commit (``settle_parked_start``)."""
+    name, slot_key, fair_key = run["workflow"], run["slot_key"], run.get("fair_key")
+    turn = None
+    if fair_key is not None:
+        turn = timedelta(seconds=FAIR_TURN / slots.weight_of(fair_key, name))  # InvalidStart first
+    line = flow_rows.fair_line_txn(rt.db, conn, name, slot_key, fair_key or "", slots.limit)
+    if turn is not None:
+        place = aware(line.head) or aware(line.now) or rt.db.utcnow()
+        if line.tail is not None:
+            place = max(place, (aware(line.tail) or place) + turn)
+        run["line_at"] = place - timedelta(seconds=run.get("priority", 0) * rt.settings.priority_aging)
+    full = line.head is not None or int(line.held) + int(line.due) >= slots.limit
+    if full and run["published"]:
+        run.update(flow_wait=SLOT, due_at=None, published=False)
 
 
 # -- claims: throttle and concurrency -----------------------------------------------------------
@@ -163,6 +217,20 @@ def _throttled_until(rt: Runtime, conn: Connection, throttle: FlowLimit, run: An
 
 
 # -- slots coming free --------------------------------------------------------------------------
+
+
+def settle_parked_start(rt: Runtime, workflow: str, slot_key: str) -> None:
+    """After the commit of a start that parked its run: if the key has a slot neither in use
+    nor promised (the line emptied while the start was deciding), fill it, as a release would.
+    One read when the key is busy, as it almost always is."""
+    known = rt.registry.workflows.get(workflow)
+    limit = known.concurrency if known is not None else None
+    if limit is None:
+        return
+    with rt.db.engine.connect() as conn:
+        used, due = flow_rows.slot_use_txn(rt.db, conn, workflow, slot_key, limit.limit)
+    if used + due < limit.limit:
+        release(rt, known, slot_key)  # type: ignore[arg-type]
 
 
 def release(rt: Runtime, workflow: Workflow, slot_key: str | None) -> None:

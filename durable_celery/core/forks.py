@@ -51,7 +51,9 @@ def fork(
     begin = _begin_context(run, step, context, found)
     # The original's key as it was, none, or the one given (checked as a start's).
     fork_key = run.key if key is KEEP else None if key is None else workflow.derive_key(data, key)
-    fresh = new_run(rt.default_queue(), workflow, data, fork_key, run.tags)
+    fresh = new_run(
+        rt.default_queue(), workflow, data, fork_key, run.tags, run.priority, rt.settings.priority_aging
+    )
     fresh.update(
         step_index=step.index,
         step_name=step.name,

@@ -20,7 +20,7 @@ from ..errors import DurableError, KeyContended, KeyTaken
 from ..inputs import same_json
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
 from ..store.schema import UNFINISHED
-from .flow import admit_start_txn
+from .flow import admit_start_txn, starts_in_transaction
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -54,6 +54,8 @@ class Decision:
     notices: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
     # Runs this start cancelled (cancel_existing): their unfinished children go next.
     cancel_children: list[str] = field(default_factory=list)
+    # (workflow, slot key) of a run parked at its start: checked once committed (flow.py).
+    parked: list[tuple[str, str]] = field(default_factory=list)
 
 
 class KeyDecision:
@@ -102,7 +104,7 @@ class KeyDecision:
         admit_start_txn(self.rt, self.conn, self.workflow, run)  # RateLimited past its rate_limit
         queries.insert_run_txn(self.db, self.conn, run)
         publish: list[Dispatch] = [(self.name, run["id"], 0, 1, self.key)] if run["published"] else []
-        return Decision(run["id"], created=True, publish=publish)
+        return Decision(run["id"], created=True, publish=publish, parked=_parked_at_start(run))
 
     def _duplicate(self, holder: Any) -> Decision:
         if holder.status not in UNFINISHED:
@@ -326,7 +328,7 @@ def start_run(
     can (PostgreSQL), else the full decision. ``fold=False`` (a rerun): a debounced holder not
     yet claimed answers by ``policy`` too, instead of taking this start's input."""
     db = rt.db
-    if not db.is_postgres or workflow.rate_limit is not None:  # a rate limit counts under a lock
+    if not db.is_postgres or starts_in_transaction(workflow, run):  # a rate limit, a fair line
         with db.begin() as conn:
             return decide_start_txn(rt, conn, workflow, run, policy, fold=fold)
     with db.single() as conn:
@@ -351,8 +353,13 @@ def start_run(
             return decide_start_txn(rt, conn, workflow, run, policy, key_seen_held=True, fold=fold)
 
 
+def _parked_at_start(run: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run's (workflow, slot key) if its start parked it for a slot (flow.py), else none."""
+    return [(run["workflow"], run["slot_key"])] if run.get("flow_wait") is not None else []
+
+
 def _created(workflow: Workflow, run: dict[str, Any]) -> Decision:
-    decision = Decision(run["id"], created=True)
+    decision = Decision(run["id"], created=True, parked=_parked_at_start(run))
     if run["published"]:
         decision.publish.append((workflow.name or "", run["id"], 0, 1, run["key"]))
     decision.notices.append(

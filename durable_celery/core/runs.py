@@ -50,11 +50,18 @@ def new_run(
     data: dict[str, Any],
     key: str | None,
     tags: dict[str, str] | None = None,
+    priority: int | None = None,
+    aging: float = 60.0,
 ) -> dict[str, Any]:
     """A new run's row; InvalidStart if a step cannot take ``data`` (every path that makes
-    a run comes here before it writes: start, rerun, fork, children, schedule fires)."""
+    a run comes here before it writes: start, rerun, fork, children, schedule fires).
+
+    ``priority`` (the workflow's when None) places the run in the line of its flow limits:
+    ``line_at`` is its start time less ``priority * aging`` seconds, so a higher priority goes
+    ahead of runs started up to that long before it, never of older ones (no run starves)."""
     wf.check_fits(data)
-    run = {
+    rank = wf.priority if priority is None else priority
+    run: dict[str, Any] = {
         "id": new_run_id(),
         "workflow": wf.name,
         "status": "pending",
@@ -63,6 +70,7 @@ def new_run(
         "context": {},
         "key": key,
         "created_at": Clock(),
+        "line_at": Clock(-rank * aging),
         "due_at": Clock(),
         "published": True,
         "queue": queue_of(default_queue, wf, 0),
@@ -70,6 +78,8 @@ def new_run(
     run.update((column, value) for column, value in wf.flow_keys(data).items() if value is not None)
     if tags:
         run["tags"] = tags
+    if rank:
+        run["priority"] = rank
     if wf.timeout and not (wf.debounce and key is not None):
         run["deadline_at"] = Clock(wf.timeout)
     if wf.debounce and key is not None:

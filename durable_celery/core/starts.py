@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..capabilities import Capability
 from ..definition import SendEvent, Workflow, check_on_duplicate
+from ..errors import InvalidStart
 from ..inputs import check_input, check_tags
+from ..limits import check_priority
 from . import atomic
 from .control import after_commit
 from .eager import run_eagerly
@@ -40,18 +42,20 @@ class Starter:
         on_duplicate: str | SendEvent | None = None,
         connection: Any = None,
         tags: Mapping[str, str] | None = None,
+        priority: int | None = None,
     ) -> str:
         """Start a run and return its id, or the id the key's holder answers with."""
         rt = self.rt
         wf = rt.registry.resolve(workflow)
         data = check_input(input, rt.settings.max_input_bytes)
         run_tags = check_tags(tags)
+        rank = None if priority is None else check_priority(priority, InvalidStart)
         run_key = wf.derive_key(data, key)
         policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate, wf)
         if connection is None:  # inside an atomic step, or the caller's ambient transaction
             connection = atomic.current() or (self.ambient() if self.ambient is not None else None)
         self._check(wf, run_key, policy, connection)
-        run = new_run(rt.default_queue(), wf, data, run_key, run_tags)
+        run = new_run(rt.default_queue(), wf, data, run_key, run_tags, rank, rt.settings.priority_aging)
         rt.instrumentation.stamp_run(wf, run)  # the run's trace (tracing.py)
         if connection is not None:
             return start_in_callers_transaction(rt, connection, wf, run, policy)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, InvalidStart
 from ..limits import KINDS
 from ..models import aware
 from ..store import flow_reads
@@ -48,12 +48,28 @@ class KeyUse:
 
 
 @dataclass(frozen=True)
+class FairShare:
+    """One fair key of a fair concurrency limit: its weight, its slots in use and their share of
+    the workflow's, and its runs waiting."""
+
+    key: str
+    weight: float
+    in_use: int
+    share: float  # of the workflow's steps in use, 0 to 1
+    waiting: int
+    oldest_waiting: datetime | None = None  # when its run parked longest was started
+
+
+@dataclass(frozen=True)
 class WorkflowFlow:
-    """A flow-limited workflow: its limits as given and each key's use."""
+    """A flow-limited workflow: its limits as given, each key's use, each fair key's share (a
+    fair concurrency limit), and its parked runs per priority."""
 
     workflow: str
     limits: dict[str, dict[str, Any]]
     keys: list[KeyUse] = field(default_factory=list)
+    fair: list[FairShare] = field(default_factory=list)
+    priorities: dict[int, int] = field(default_factory=dict)
 
 
 def limits_of(workflow: Workflow) -> dict[str, dict[str, Any]]:
@@ -82,6 +98,9 @@ def flow_report(rt: Runtime, workflow: str | None = None, keys: int = KEYS_SHOWN
             entry = WorkflowFlow(wf.name or "", limits_of(wf))
             if wf.concurrency is not None:
                 entry.keys.extend(_slot_keys(conn, entry.workflow, wf.concurrency, keys))
+                if wf.concurrency.fair is not None:
+                    entry.fair.extend(fair_shares(conn, entry.workflow, wf.concurrency, keys))
+            entry.priorities.update(flow_reads.parked_priorities(conn, entry.workflow))
             if wf.throttle is not None:
                 entry.keys.extend(_throttle_keys(rt, conn, entry.workflow, wf.throttle, keys))
             if wf.rate_limit is not None:
@@ -106,6 +125,32 @@ def _slot_keys(conn: Connection, workflow: str, limit: FlowLimit, keys: int) -> 
         )
         for row in flow_reads.slot_use(conn, workflow, keys)
     ]
+
+
+def fair_shares(conn: Connection, workflow: str, limit: FlowLimit, keys: int) -> list[FairShare]:
+    """The fair keys of ``workflow`` with unfinished runs (at most ``keys``, most waiting first):
+    slots in use, their share, runs waiting."""
+    rows = flow_reads.fair_use(conn, workflow, keys)
+    total = sum(int(row.in_use or 0) for row in rows)
+    return [
+        FairShare(
+            row.key,
+            _weight(limit, row.key, workflow),
+            int(row.in_use or 0),
+            int(row.in_use or 0) / total if total else 0.0,
+            int(row.waiting or 0),
+            aware(row.oldest_waiting),
+        )
+        for row in rows
+    ]
+
+
+def _weight(limit: FlowLimit, key: str, workflow: str) -> float:
+    """The fair key's weight as shown (a callable that refuses it: 1)."""
+    try:
+        return limit.weight_of(key, workflow)
+    except InvalidStart:
+        return 1.0
 
 
 def _throttle_keys(rt: Runtime, conn: Connection, workflow: str, limit: FlowLimit, keys: int) -> list[KeyUse]:
@@ -300,11 +345,13 @@ def use_words(entry: KeyUse) -> str:
 
 def limit_words(kind: str, shown: dict[str, Any]) -> str:
     """A limit as described (``FlowLimit.describe()``) in words: "2 at once per tenant:{tenant}",
-    "10 begins per 60s per api:{customer}", "1 start per 3600s for the whole workflow"."""
+    "20 at once for the whole workflow, shared fairly by tenant:{tenant}", "10 begins per 60s
+    per api:{customer}", "1 start per 3600s for the whole workflow"."""
     key = shown.get("key")
     per = f"per {key}" if key else "for the whole workflow"
     if kind == "concurrency":
-        return f"{shown['limit']} at once {per}"
+        fair = f", shared fairly by {shown['fair']}" if shown.get("fair") else ""
+        return f"{shown['limit']} at once {per}{fair}"
     what = "begin" if kind == "throttle" else "start"
     plural = "" if shown["limit"] == 1 else "s"
     return f"{shown['limit']} {what}{plural} per {period_words(shown.get('period'))} {per}"

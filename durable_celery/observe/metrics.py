@@ -12,7 +12,8 @@
   backlog and the age of the oldest ready run per workflow, unfinished runs per status, runs
   finished in the last hour per status, stale locks, draining nodes, disabled schedules and late ones (beat
   down; read from RedBeat too, where it keeps the schedules), runs parked by flow control per
-  workflow and what they wait for, and concurrency slots in use per workflow. A read is reused
+  workflow and what they wait for, concurrency slots in use per workflow, and per fair key of a
+  fair limit its slots in use and runs waiting. A read is reused
   for ``METRICS_CACHE_SECONDS``, so scrapes in quick succession (several Prometheus servers,
   a dashboard) cost the database nothing more.
 
@@ -74,6 +75,12 @@ class DatabaseRows:
     draining: int = 0  # worker nodes in a graceful shutdown
     # (workflow, what, n): runs parked by flow control ('slot', 'throttle'), slots in use ('in_use')
     flow: Sequence[Any] = ()
+    # (workflow, row of flow_reads.fair_use): the fair keys of fair limits defined here
+    fair: Sequence[tuple[str, Any]] = ()
+
+
+# Fair keys per workflow given a series each, most waiting first (a label per tenant: bounded).
+FAIR_KEYS = 50
 
 
 class DatabaseCollector:
@@ -142,7 +149,19 @@ class DatabaseCollector:
                 draining=draining,
                 late=self._late_schedules(schedules),
                 flow=flow_reads.flow_gauges(conn),
+                fair=[
+                    (name, row)
+                    for name in self._fair_workflows()
+                    for row in flow_reads.fair_use(conn, name, FAIR_KEYS)
+                ],
             )
+
+    def _fair_workflows(self) -> list[str]:
+        """The workflows defined here whose concurrency limit has a fair key."""
+        defined = self.rt.registry.workflows.values()
+        return sorted(
+            w.name or "" for w in defined if w.concurrency is not None and w.concurrency.fair is not None
+        )
 
     def _late_schedules(self, rows: Sequence[Any]) -> int | None:
         """How many schedules are late (beat not firing them); None without an app or Redis."""
@@ -224,7 +243,20 @@ class DatabaseCollector:
                 used.setdefault(wf.name or "", 0)
         for workflow, n in sorted(used.items()):
             slots.add_metric([workflow], n)
-        return [waiting, slots]
+        fair_used = gauge(
+            "durable_flow_fair_in_use",
+            f"Steps holding a slot of a fair limit, per workflow and fair key (at most {FAIR_KEYS})",
+            labels=["workflow", "fair_key"],
+        )
+        fair_waiting = gauge(
+            "durable_flow_fair_waiting",
+            f"Runs parked for a slot of a fair limit, per workflow and fair key (at most {FAIR_KEYS})",
+            labels=["workflow", "fair_key"],
+        )
+        for workflow, row in rows.fair:
+            fair_used.add_metric([workflow, row.key], int(row.in_use or 0))
+            fair_waiting.add_metric([workflow, row.key], int(row.waiting or 0))
+        return [waiting, slots, fair_used, fair_waiting]
 
 
 def _aware(value: Any) -> Any:

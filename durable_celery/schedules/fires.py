@@ -159,7 +159,9 @@ def start_fire(
     wf = known if known is not None and known.steps else _stand_in(workflow, policy)
     try:
         data = check_input(input)
-        run = new_run(rt.default_queue(), wf, data, wf.derive_key(data, key))
+        run = new_run(
+            rt.default_queue(), wf, data, wf.derive_key(data, key), aging=rt.settings.priority_aging
+        )
         if wf is not known:
             run["published"] = False
         decision = start_run(rt, wf, run, wf.on_duplicate)

@@ -58,6 +58,47 @@ def slot_use(conn: Connection, workflow: str, keys: int, rows: int = ROWS_READ) 
     return conn.execute(query).all()
 
 
+def fair_use(conn: Connection, workflow: str, keys: int, rows: int = ROWS_READ) -> Sequence[Any]:
+    """Per fair key of ``workflow`` with unfinished runs: ``in_use`` (steps executing),
+    ``waiting`` (parked for a slot), ``oldest_waiting`` (the start of the one parked longest);
+    at most ``keys`` keys, most waiting first, over at most ``rows`` runs
+    (ix_durable_runs_fair_line)."""
+    unfinished = (
+        select(runs.c.fair_key, runs.c.status, runs.c.locked_by, runs.c.flow_wait, runs.c.created_at)
+        .where(runs.c.workflow == workflow, runs.c.fair_key.is_not(None), runs.c.finished_at.is_(None))
+        .limit(rows)
+        .subquery()
+    )
+    parked = unfinished.c.flow_wait == SLOT
+    waiting = _counted(parked)
+    running = and_(unfinished.c.status == "running", unfinished.c.locked_by.is_not(None))
+    query = (
+        select(
+            unfinished.c.fair_key.label("key"),
+            _counted(running).label("in_use"),
+            waiting.label("waiting"),
+            func.min(case((parked, unfinished.c.created_at), else_=None)).label("oldest_waiting"),
+        )
+        .group_by(unfinished.c.fair_key)
+        .order_by(waiting.desc(), unfinished.c.fair_key)
+        .limit(keys)
+    )
+    return conn.execute(query).all()
+
+
+def parked_priorities(conn: Connection, workflow: str, rows: int = ROWS_READ) -> dict[int, int]:
+    """Runs of ``workflow`` parked by flow control per priority (0 for none), over at most
+    ``rows`` of them (ix_durable_runs_flow_wait)."""
+    parked = (
+        select(func.coalesce(runs.c.priority, 0).label("priority"))
+        .where(runs.c.flow_wait.is_not(None), runs.c.workflow == workflow, runs.c.finished_at.is_(None))
+        .limit(rows)
+        .subquery()
+    )
+    query = select(parked.c.priority, func.count().label("n")).group_by(parked.c.priority)
+    return {int(row.priority): int(row.n) for row in conn.execute(query)}
+
+
 def throttled_keys(conn: Connection, workflow: str, keys: int, rows: int = ROWS_READ) -> Sequence[Any]:
     """Per throttle key of ``workflow`` with runs parked by the throttle: ``waiting``,
     ``next_look`` (the soonest one looks again), ``oldest_waiting`` (the earliest start); at
@@ -170,22 +211,26 @@ def _per_key(
 
 def run_flow(conn: Connection, run_id: str) -> Any:
     """A run's flow columns (``id``, ``workflow``, ``flow_wait``, ``slot_key``,
-    ``throttle_key``, ``due_at``, ``created_at``: its place in its keys' lines), or None."""
+    ``throttle_key``, ``fair_key``, ``priority``, ``due_at``, ``created_at``, ``line_at``: its
+    place in its keys' lines), or None."""
     query = select(
         runs.c.id,
         runs.c.workflow,
         runs.c.flow_wait,
         runs.c.slot_key,
         runs.c.throttle_key,
+        runs.c.fair_key,
+        runs.c.priority,
         runs.c.due_at,
         runs.c.created_at,
+        runs.c.line_at,
     ).where(runs.c.id == run_id)
     return conn.execute(query).first()
 
 
 def slot_line(db: Database, conn: Connection, run: Any, bound: int) -> tuple[int, int]:
-    """For a run of a slot key (a row with ``id``, ``workflow``, ``slot_key``, ``created_at``):
-    the key's steps holding a slot, and the runs started before it that wait for one (parked,
+    """For a run of a slot key (a row with ``id``, ``workflow``, ``slot_key``, ``line_at``):
+    the key's steps holding a slot, and the runs ahead of it in line that wait for one (parked,
     or due and not yet claimed), each counted up to ``bound``: the counts its claim makes."""
     return flow_rows.slot_line_txn(db, conn, run, bound)
 
@@ -194,8 +239,8 @@ def throttle_line(
     db: Database, conn: Connection, run: Any, period: float, begun_bound: int, ahead_bound: int
 ) -> tuple[int, int]:
     """For a run of a throttle key (a row with ``id``, ``workflow``, ``throttle_key``,
-    ``created_at``): the key's runs that began (their first step claimed) in the last
-    ``period`` seconds, up to ``begun_bound``, and the runs started before it that wait to
+    ``line_at``): the key's runs that began (their first step claimed) in the last
+    ``period`` seconds, up to ``begun_bound``, and the runs ahead of it in line that wait to
     begin, up to ``ahead_bound``: the counts its claim makes."""
     key = run.throttle_key
     begun = flow_rows.begins_in_window_txn(db, conn, run.workflow, key, period, begun_bound)

@@ -74,12 +74,12 @@ def _execute(
 
 def _counted(where: list[Any]) -> Any:
     """SQL: how many rows match ``where``, counting at most ``p_bound``. A count of the runs
-    started before one (``_before``) reads them oldest first: so a plan made for any values (a
-    prepared statement's generic plan) walks the key's index in start order and stops at the
+    ahead of one in line (``_before``) reads them in line order: so a plan made for any values (a
+    prepared statement's generic plan) walks the key's index in line order and stops at the
     run, rather than scanning the table expecting to meet ``p_bound`` matches early."""
     inner = select(runs.c.id).where(*where)
     if any(getattr(condition, "_durable_before", False) for condition in where):
-        inner = inner.order_by(runs.c.created_at)
+        inner = inner.order_by(runs.c.line_at)
     inner_query = inner.limit(bindparam("p_bound")).subquery()
     return select(func.count()).select_from(inner_query).correlate(None).scalar_subquery()
 
@@ -108,7 +108,7 @@ def lock_run_txn(db: Database, conn: Connection, run_id: str, throttle: bool, sl
     then of its slot key, if ``slot``."""
 
     def build() -> Any:
-        columns = ("id", "workflow", "slot_key", "throttle_key", "started_at", "created_at", "flow_wait")
+        columns = ("id", "workflow", "slot_key", "throttle_key", "started_at", "line_at", "flow_wait")
         found: list[Any] = [runs.c[c] for c in columns]
         if db.is_postgres:
             for kind, column, when in (
@@ -125,12 +125,13 @@ def lock_run_txn(db: Database, conn: Connection, run_id: str, throttle: bool, sl
 
 
 def _before() -> list[Any]:
-    """Started before the run ``p_id`` created at ``p_created`` (start order: created_at, then id)."""
-    created: Any = bindparam("p_created", type_=_TIME)
+    """Ahead in line of the run ``p_id`` lined up at ``p_line`` (line order: line_at, then id;
+    without priorities or fair keys, start order)."""
+    line: Any = bindparam("p_line", type_=_TIME)
     run_id: Any = bindparam("p_id")
-    bound = runs.c.created_at <= created
+    bound = runs.c.line_at <= line
     bound._durable_before = True  # type: ignore[attr-defined]  # read by _counted
-    return [bound, or_(runs.c.created_at < created, runs.c.id < run_id), runs.c.id != run_id]
+    return [bound, or_(runs.c.line_at < line, runs.c.id < run_id), runs.c.id != run_id]
 
 
 # The conditions below repeat those of the partial indexes (schema.FLOW_INDEX_SPECS), so the
@@ -160,6 +161,26 @@ def _slot_idle(db: Database, of_key: list[Any] | None = None) -> list[Any]:
     ]
 
 
+def _ahead_of_parked(workflow: Any, key: Any) -> Any:
+    """Lined up no later than the first run parked for a slot of the key: a due run a free
+    slot is promised to (one woken, or back from a sleep), not a new run behind the line, whose
+    claim would park it (counting those would wake nobody while the broker's queue drains)."""
+    head = runs.alias("head_of_line")
+    first = (
+        select(head.c.line_at)
+        .where(
+            head.c.workflow == workflow,
+            head.c.slot_key == key,
+            head.c.flow_wait == _SLOT_SQL,
+            head.c.finished_at.is_(None),
+        )
+        .order_by(head.c.line_at)  # the first entry of ix_durable_runs_slot_parked_line
+        .limit(1)
+        .scalar_subquery()
+    )
+    return runs.c.line_at <= first
+
+
 def _slot_parked() -> list[Any]:
     return [*_of_key("slot_key"), runs.c.flow_wait == _SLOT_SQL, runs.c.finished_at.is_(None)]
 
@@ -169,35 +190,40 @@ def _key(workflow: str, key: str, bound: int, **more: Any) -> dict[str, Any]:
 
 
 def slot_line_txn(db: Database, conn: Connection, run: Any, bound: int) -> tuple[int, int]:
-    """For ``run``'s slot key: steps holding a slot, and runs started before ``run`` that wait
+    """For ``run``'s slot key: steps holding a slot, and runs ahead of ``run`` in line that wait
     for one (parked, or due and not yet claimed), each counted up to ``bound``."""
 
     def build() -> list[list[Any]]:
         return [_slot_held(), [*_slot_parked(), *_before()], [*_slot_idle(db), *_before()]]
 
-    params = _key(run.workflow, run.slot_key, bound, p_created=run.created_at, p_id=run.id, p_now=Clock())
+    params = _key(run.workflow, run.slot_key, bound, p_line=run.line_at, p_id=run.id, p_now=Clock())
     held, parked, due = _counts(db, conn, build, params)
     return int(held), int(parked) + int(due)
 
 
 def slot_use_txn(db: Database, conn: Connection, workflow: str, key: str, bound: int) -> tuple[int, int]:
-    """For a slot key: steps holding a slot, and runs due for a step and not parked (their
-    messages are on the way: they take free slots before any parked run is woken), each counted
-    up to ``bound``."""
+    """For a slot key: steps holding a slot, and runs due for a step, not parked and ahead of
+    the parked ones in line (their messages are on the way: they take free slots before any
+    parked run is woken), each counted up to ``bound``."""
+
+    def build() -> list[list[Any]]:
+        ahead = _ahead_of_parked(bindparam("p_wf"), bindparam("p_key"))
+        return [_slot_held(), [*_slot_idle(db), ahead]]
+
     params = _key(workflow, key, bound, p_now=Clock())
-    held, due = _counts(db, conn, lambda: [_slot_held(), _slot_idle(db)], params)
+    held, due = _counts(db, conn, build, params)
     return int(held), int(due)
 
 
 def wake_parked_txn(db: Database, conn: Connection, workflow: str, key: str, count: int) -> list[Any]:
-    """Make the ``count`` runs parked longest for a slot of the key due now (their messages
-    are sent after commit); returns them."""
+    """Make the ``count`` runs first in line of those parked for a slot of the key due now
+    (their messages are sent after commit); returns them."""
 
     def oldest() -> Any:
         return (
             select(runs.c.id)
             .where(*_slot_parked())
-            .order_by(runs.c.created_at, runs.c.id)
+            .order_by(runs.c.line_at, runs.c.id)
             .limit(bindparam("p_bound"))
         )
 
@@ -212,6 +238,39 @@ def wake_parked_txn(db: Database, conn: Connection, workflow: str, key: str, cou
         .returning(*_WOKEN)
     )
     return list(conn.execute(query).all())
+
+
+def fair_line_txn(
+    db: Database, conn: Connection, workflow: str, slot_key: str, fair_key: str, bound: int
+) -> Any:
+    """For a new run of a slot key (one statement, index probes only): ``head``, the first place
+    in line of the key's parked runs; ``tail``, the last place of ``fair_key``'s unfinished runs
+    (each None if there are none); ``held`` and ``due``, ``slot_use_txn``'s counts (every due
+    run, up to ``bound``); and ``now`` on the database's clock."""
+
+    def build() -> Any:
+        head = select(runs.c.line_at).where(*_slot_parked()).order_by(runs.c.line_at).limit(1)
+        tail = (
+            select(runs.c.line_at)
+            .where(
+                *_of_key("slot_key"),
+                runs.c.fair_key.is_not(None),
+                runs.c.fair_key == bindparam("p_fair"),
+                runs.c.finished_at.is_(None),
+            )
+            .order_by(runs.c.line_at.desc())
+            .limit(1)
+        )
+        return select(
+            head.scalar_subquery().label("head"),
+            tail.scalar_subquery().label("tail"),
+            _counted(_slot_held()).label("held"),
+            _counted(_slot_idle(db)).label("due"),
+            db.clock_expression("p_now", Clock()).label("now"),
+        )
+
+    params = _key(workflow, slot_key, bound, p_fair=fair_key, p_now=Clock())
+    return _execute(db, conn, build, params).one()
 
 
 def park_txn(db: Database, conn: Connection, run_id: str, step_index: int, kind: str, until: Any) -> bool:
@@ -275,7 +334,7 @@ def begins_in_window_txn(
 
 
 def throttle_line_ahead_txn(db: Database, conn: Connection, run: Any, bound: int) -> int:
-    """Runs of ``run``'s throttle key not yet begun, started before it and waiting to begin
+    """Runs of ``run``'s throttle key not yet begun, ahead of it in line and waiting to begin
     (parked by the throttle, or due now), up to ``bound``."""
 
     def build() -> list[list[Any]]:
@@ -293,7 +352,7 @@ def throttle_line_ahead_txn(db: Database, conn: Connection, run: Any, bound: int
             ]
         ]
 
-    params = _key(run.workflow, run.throttle_key, bound, p_created=run.created_at, p_id=run.id, p_now=Clock())
+    params = _key(run.workflow, run.throttle_key, bound, p_line=run.line_at, p_id=run.id, p_now=Clock())
     return int(_counts(db, conn, build, params)[0])
 
 
@@ -325,7 +384,8 @@ def parked_slot_keys(
         some = select(runs.c.id).where(*where).limit(bound).subquery()
         return select(func.count()).select_from(some).scalar_subquery()
 
-    counts = (counted(_slot_held(of_parked)).label("held"), counted(_slot_idle(db, of_parked)).label("due"))
+    due = [*_slot_idle(db, of_parked), _ahead_of_parked(parked.c.workflow, parked.c.slot_key)]
+    counts = (counted(_slot_held(of_parked)).label("held"), counted(due).label("due"))
     no_jit(conn)  # the upkeep's flow pass, on every worker
     rows = select(parked.c.workflow, parked.c.slot_key, *counts).order_by(*parked.c)
     return conn.execute(rows, db.clock_params({"p_now": Clock()})).all()

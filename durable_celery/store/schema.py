@@ -61,24 +61,13 @@ def _goes_with_run(column: str, ondelete: str, deferred: bool = False) -> Foreig
     ).ddl_if(dialect="sqlite")
 
 
-# name -> (columns, condition): flow control's partial indexes on durable_runs (revision 0006).
+# name -> (columns, condition): flow control's partial indexes on durable_runs (revision 0006; its
+# lines by start time became LINE_INDEX_SPECS in revision 0011).
 FLOW_INDEX_SPECS = {
     "ix_durable_runs_slot_held": (("workflow", "slot_key"), "slot_key IS NOT NULL AND locked_by IS NOT NULL"),
-    "ix_durable_runs_slot_idle": (
-        ("workflow", "slot_key", "created_at"),
-        "slot_key IS NOT NULL AND flow_wait IS NULL AND locked_by IS NULL AND finished_at IS NULL",
-    ),
-    "ix_durable_runs_slot_parked": (
-        ("workflow", "slot_key", "created_at"),
-        "flow_wait = 'slot' AND finished_at IS NULL",
-    ),
     "ix_durable_runs_throttle_begun": (
         ("workflow", "throttle_key", "started_at"),
         "throttle_key IS NOT NULL AND started_at IS NOT NULL",
-    ),
-    "ix_durable_runs_throttle_waiting": (
-        ("workflow", "throttle_key", "created_at"),
-        "throttle_key IS NOT NULL AND started_at IS NULL AND finished_at IS NULL",
     ),
     "ix_durable_runs_rate": (("workflow", "rate_key", "created_at"), "rate_key IS NOT NULL"),
     "ix_durable_runs_flow_wait": (("flow_wait", "workflow"), "flow_wait IS NOT NULL AND finished_at IS NULL"),
@@ -100,9 +89,34 @@ VOLUME_INDEX_SPECS = {
         "slot_key IS NOT NULL AND finished_at IS NULL",
     ),
 }
+# name -> (columns, condition): revision 0011's lines of flow control, by ``line_at`` (a run's
+# start less its priority's aging, or its fair key's turn): the runs waiting for a slot, due or
+# parked, those waiting to begin under a throttle, and the unfinished runs of each fair key.
+LINE_INDEX_SPECS = {
+    "ix_durable_runs_slot_idle_line": (
+        ("workflow", "slot_key", "line_at"),
+        "slot_key IS NOT NULL AND flow_wait IS NULL AND locked_by IS NULL AND finished_at IS NULL",
+    ),
+    "ix_durable_runs_slot_parked_line": (
+        ("workflow", "slot_key", "line_at"),
+        "flow_wait = 'slot' AND finished_at IS NULL",
+    ),
+    "ix_durable_runs_throttle_line": (
+        ("workflow", "throttle_key", "line_at"),
+        "throttle_key IS NOT NULL AND started_at IS NULL AND finished_at IS NULL",
+    ),
+    "ix_durable_runs_fair_line": (
+        ("workflow", "slot_key", "fair_key", "line_at"),
+        "fair_key IS NOT NULL AND finished_at IS NULL",
+    ),
+}
 VOLUME_INDEXES = [
     Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
     for name, (columns, where) in VOLUME_INDEX_SPECS.items()
+]
+LINE_INDEXES = [
+    Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
+    for name, (columns, where) in LINE_INDEX_SPECS.items()
 ]
 
 
@@ -162,6 +176,11 @@ runs = Table(
     Column("throttle_key", String(255)),
     Column("rate_key", String(255)),
     Column("flow_wait", String(16)),
+    # Its place in the lines of its limits (core/runs.py, core/flow.py): its start less
+    # ``priority * priority_aging`` seconds, or under a fair limit its fair key's next turn.
+    Column("line_at", Timestamp, nullable=False, server_default=text("CURRENT_TIMESTAMP")),
+    Column("fair_key", String(255)),
+    Column("priority", Integer),  # NULL: 0
     # What the running step last said of its progress (current_run().set_progress): small JSON.
     Column("progress", Json),
     # The run's tags ({"tenant": "acme"}: string keys and values, copied to its children and to
@@ -238,6 +257,7 @@ runs = Table(
     # waiting runs with no wake-up set (missed wake-ups; doctor) and the unfinished runs of a
     # concurrency key (the Flow page).
     *VOLUME_INDEXES,
+    *LINE_INDEXES,
 )
 
 steps = Table(

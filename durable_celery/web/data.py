@@ -402,7 +402,8 @@ def describe_workflow(durable: Durable, workflow: Any) -> dict[str, Any]:
 
 def flow_data(durable: Durable, workflow: str | None, keys: int = 50) -> dict[str, Any]:
     """The Flow page: per workflow with a flow limit, its limits and each key's use (slots in
-    use, runs parked, begins or starts in the window), keys with most runs waiting first."""
+    use, runs parked, begins or starts in the window), keys with most runs waiting first; each
+    fair key's share and runs waiting; the parked runs per priority."""
     found = flow_report(durable.runtime, workflow or None, keys)
     return {
         "workflows": [
@@ -410,6 +411,8 @@ def flow_data(durable: Durable, workflow: str | None, keys: int = 50) -> dict[st
                 "workflow": entry.workflow,
                 "limits": {k: dict(v, text=limit_words(k, v)) for k, v in entry.limits.items()},
                 "keys": [dict(asdict(k), use=use_words(k), shown_key=key_words(k.key)) for k in entry.keys],
+                "fair": [asdict(share) for share in entry.fair],
+                "priorities": dict(sorted(entry.priorities.items(), reverse=True)),
             }
             for entry in found
         ],

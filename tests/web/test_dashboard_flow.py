@@ -141,3 +141,39 @@ def test_the_flow_page_lists_each_limits_use_per_key(parked: dict[str, Any]) -> 
     assert "throttle 2 begins per 60s per api:{customer}" in options
     assert "rate_limit 5 starts per 3600s for the whole workflow" in options
     assert "concurrency -" in options
+
+
+def test_the_flow_page_shows_each_fair_keys_share_and_the_held_priorities(make_durable: Any) -> None:
+    d = make_durable("webfair")
+    go, entered = threading.Event(), threading.Event()
+    fair = d.workflow("fair", concurrency={"limit": 1, "fair": "t:{tenant}", "weights": {"t:gold": 3}})
+
+    @fair.step
+    def work(tenant: str, n: int) -> None:
+        entered.set()
+        assert go.wait(60), "the test never let the step go"
+
+    holder = d.start("fair", {"tenant": "gold", "n": 0})
+    runner = threading.Thread(target=d.engine.execute, args=(fair, fair.steps[0], holder, False))
+    runner.start()
+    try:
+        assert entered.wait(30)
+        waiting = d.start("fair", {"tenant": "gold", "n": 1})
+        assert d.engine.execute(fair, fair.steps[0], waiting, False) == "dropped"
+        d.start("fair", {"tenant": XSS, "n": 1}, priority=3)  # parked at its start
+        c = TestClient(create_app(d))
+        page = c.get("/flow")
+        text = _text(page.text)
+        assert "1 at once for the whole workflow, shared fairly by t:{tenant}" in text
+        assert "t:gold 3 1 100% 1" in text  # fair key, weight, slots in use, share, waiting
+        assert "held runs by priority: 3: 1, 0: 1" in text
+        assert XSS not in page.text and html.escape(f"t:{XSS}") in page.text
+        (found,) = c.get("/api/flow").json()["workflows"]
+        assert [(f["key"], f["weight"], f["in_use"], f["waiting"]) for f in found["fair"]] == [
+            (f"t:{XSS}", 1.0, 0, 1),
+            ("t:gold", 3.0, 1, 1),
+        ]
+        assert found["priorities"] == {"3": 1, "0": 1}
+    finally:
+        go.set()
+        runner.join(30)

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from durable_celery.store.schema import runs
 from tests.integration.helpers import cli_app
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("backend", ["postgres"])]
@@ -36,6 +37,8 @@ def define(durable):
     )
     api.step(lambda customer, n: n, name="call")
     durable.workflow("plain").step(lambda: None, name="only")
+    fair = durable.workflow("fair", concurrency={"limit": 1, "fair": "t:{tenant}", "weights": {"t:gold": 3}})
+    fair.step(lambda tenant, n: n, name="work")
 """
 
 
@@ -118,8 +121,39 @@ def test_flow_json_and_one_workflow(cli, parked):
 def test_flow_refuses_an_unknown_workflow_and_has_help(cli):
     out = cli("--workflow", "nope", code=1)
     assert "no workflow 'nope' is defined here" in out
-    assert "one of api, plain, sync" in out
+    assert "one of api, fair, plain, sync" in out
     text = cli("--help")
     assert "--workflow NAME" in text and "--json" in text and "concurrency: slots in use" in text
     assert "api: throttle 1 begin per 60s" in cli()  # no run yet: the limits, nothing in use
     assert "  nothing in use" in cli("-w", "sync")
+
+
+def test_flow_shows_each_fair_keys_share_and_the_held_priorities(cli, durable):
+    namespace: dict = {}
+    exec(DEFINE, namespace)
+    namespace["define"](durable)
+    fair = durable.workflows["fair"]
+    holder = durable.start("fair", {"tenant": "gold", "n": 0})
+    with durable.db.begin() as conn:  # a worker executes its step: it holds the slot
+        conn.execute(
+            runs.update()
+            .where(runs.c.id == holder)
+            .values(status="running", locked_by="alive:1:1", heartbeat_at=durable.db.utcnow())
+        )
+    parked = durable.start("fair", {"tenant": "gold", "n": 1})
+    assert durable.engine.execute(fair, fair.steps[0], parked, False) == "dropped"
+    durable.start("fair", {"tenant": "free", "n": 1}, priority=2)  # parked at its start
+    lines = cli("-w", "fair").splitlines()
+    assert lines[0] == "fair: concurrency 1 at once for the whole workflow, shared fairly by t:{tenant}"
+    shares = [line.split() for line in lines if line.strip().startswith("fair ")]
+    assert [s[:10] for s in shares] == [
+        ["fair", "t:free", "weight", "1", "0", "in", "use", "(0%)", "1", "waiting"],
+        ["fair", "t:gold", "weight", "3", "1", "in", "use", "(100%)", "1", "waiting"],
+    ]
+    assert "  held by priority: 2: 1, 0: 1" in lines
+    found = [json.loads(line) for line in cli("-w", "fair", "--json").splitlines()]
+    assert [(e.get("kind"), e.get("key"), e.get("waiting")) for e in found if e.get("kind") == "fair"] == [
+        ("fair", "t:free", 1),
+        ("fair", "t:gold", 1),
+    ]
+    assert {"workflow": "fair", "kind": "priorities", "held": {"2": 1, "0": 1}} in found

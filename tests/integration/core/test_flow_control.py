@@ -626,7 +626,7 @@ def test_a_woken_run_counts_as_sent_and_its_resends_start_afresh(make_durable):
     assert (row.published, row.resends, row.resend_at) == (True, 0, None)
 
 
-def test_the_parked_runs_are_woken_in_start_order_created_at_then_id(make_durable):
+def test_the_parked_runs_are_woken_in_line_order_line_at_then_id(make_durable):
     outbox = RecordingOutbox()
     durable = make_durable(outbox=outbox)
     wf = _define_sync(durable)
@@ -636,14 +636,12 @@ def test_the_parked_runs_are_woken_in_start_order_created_at_then_id(make_durabl
     _park(durable, wf, *started)
     low, high = sorted(started[:2])  # ids: the lower one goes first among runs started at once
     with durable.db.engine.connect() as conn:
-        at = conn.execute(select(runs.c.created_at).where(runs.c.id == high)).scalar_one()
+        at = conn.execute(select(runs.c.line_at).where(runs.c.id == high)).scalar_one()
     with durable.db.begin() as conn:
-        # The third was started before them all (its id says otherwise); the lower id's row is
-        # written again (stored after the other now), started at the same moment as the higher.
-        conn.execute(
-            runs.update().where(runs.c.id == started[2]).values(created_at=at - timedelta(seconds=1))
-        )
-        conn.execute(runs.update().where(runs.c.id == low).values(created_at=at))
+        # The third is lined up before them all (its id says otherwise); the lower id's row is
+        # written again (stored after the other now), lined up at the same moment as the higher.
+        conn.execute(runs.update().where(runs.c.id == started[2]).values(line_at=at - timedelta(seconds=1)))
+        conn.execute(runs.update().where(runs.c.id == low).values(line_at=at))
     _end_unannounced(durable, holder)
     order = []
     for _ in range(3):  # one slot: each run woken takes it, and ends
@@ -757,7 +755,7 @@ def test_a_throttled_run_counts_the_line_ahead_of_it_up_to_its_windows(durable, 
     ]
 
 
-def test_a_run_started_earlier_is_ahead_in_the_throttles_line_whatever_its_id(durable):
+def test_a_run_lined_up_earlier_is_ahead_in_the_throttles_line_whatever_its_id(durable):
     period, margin = 60, flow.CLOCK_MARGIN if durable.db.is_postgres else 0.0
     api = durable.workflow("api", throttle={"limit": 1, "period": period, "key": "c:{customer}"})
 
@@ -769,9 +767,9 @@ def test_a_run_started_earlier_is_ahead_in_the_throttles_line_whatever_its_id(du
     low, high = sorted((low, high))
     assert durable.engine.execute(api, api.steps[0], begun, False) != "dropped"
     with durable.db.engine.connect() as conn:
-        at = conn.execute(select(runs.c.created_at).where(runs.c.id == low)).scalar_one()
-    with durable.db.begin() as conn:  # the higher id was started first
-        conn.execute(runs.update().where(runs.c.id == high).values(created_at=at - timedelta(seconds=1)))
+        at = conn.execute(select(runs.c.line_at).where(runs.c.id == low)).scalar_one()
+    with durable.db.begin() as conn:  # the higher id was lined up first
+        conn.execute(runs.update().where(runs.c.id == high).values(line_at=at - timedelta(seconds=1)))
     for run_id in (high, low):
         assert durable.engine.execute(api, api.steps[0], run_id, False) == "dropped"
     t0 = durable.get_run(begun).started_at

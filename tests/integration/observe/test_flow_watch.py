@@ -210,3 +210,42 @@ def test_an_unknown_workflow_or_a_bad_bound_is_refused(durable):
     with pytest.raises(InvalidArgument, match="keys must be a positive int"):
         flow_report(durable.runtime, keys=0)
     assert [e.workflow for e in flow_report(durable.runtime, "sync")] == ["sync"]
+
+
+def test_a_fair_limit_shows_each_fair_keys_share_and_the_held_priorities(durable):
+    go, entered = threading.Event(), threading.Event()
+    limit = {"limit": 1, "fair": "t:{tenant}", "weights": {"t:gold": 3}}
+    wf = durable.workflow("fair", concurrency=limit)
+
+    @wf.step
+    def work(tenant, n):
+        entered.set()
+        assert go.wait(60), "the test never let the step go"
+
+    holder = durable.start("fair", {"tenant": "gold", "n": 0})
+    runner = threading.Thread(target=durable.engine.execute, args=(wf, wf.steps[0], holder, False))
+    runner.start()
+    metrics = durable.metrics
+    try:
+        assert entered.wait(30)
+        for run_id in [durable.start("fair", {"tenant": "gold", "n": n}) for n in (1, 2)]:
+            assert durable.engine.execute(wf, wf.steps[0], run_id, False) == "dropped"
+        durable.start("fair", {"tenant": "free", "n": 1})  # parked at its start: runs wait already
+        urgent = durable.start("fair", {"tenant": "free", "n": 2}, priority=2)
+        assert flow_rows_of(durable, [urgent])[urgent].flow_wait == "slot"
+        entry = entry_of(flow_report(durable.runtime), "fair")
+        assert entry.limits["concurrency"] == {
+            "limit": 1,
+            "key": None,
+            "fair": "t:{tenant}",
+            "weights": {"t:gold": 3.0},
+        }
+        shares = [(f.key, f.weight, f.in_use, f.share, f.waiting) for f in entry.fair]
+        assert shares == [("t:free", 1.0, 0, 0.0, 2), ("t:gold", 3.0, 1, 1.0, 2)]
+        assert entry.fair[0].oldest_waiting is not None
+        assert entry.priorities == {0: 3, 2: 1}
+        assert metrics.value("durable_flow_fair_in_use", {"workflow": "fair", "fair_key": "t:gold"}) == 1
+        assert metrics.value("durable_flow_fair_waiting", {"workflow": "fair", "fair_key": "t:free"}) == 2
+    finally:
+        go.set()
+        runner.join(30)
