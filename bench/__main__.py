@@ -122,7 +122,7 @@ def run(bench: Bench, quick: bool) -> tuple[int, list[str]]:
 )
 @click.option("--quick", is_flag=True, help="Small sizes: checks that every bench runs, not the targets.")
 def main(only: str, quick: bool) -> None:
-    """Every bench in turn (prefork, keys, prune, claims, flow, atomic, pool), then their reports together."""
+    """Every bench in turn (the order of --only), then their reports together."""
     chosen = [name.strip() for name in only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(NAMES))
     if unknown:
