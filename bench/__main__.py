@@ -68,6 +68,13 @@ BENCHES = (
         ("--backlog", "300", "--small", "3", "--stream-s", "3", "--prefill", "50"),
     ),
     Bench(
+        "peers",
+        "durable beside plain Celery chains, DBOS and procrastinate (the [bench] extra): runs/s, CPU"
+        " per run, start-to-first-step latency, keyed starts",
+        (),
+        ("--quick",),
+    ),
+    Bench(
         "atomic",
         "an atomic step against a plain one: statements and round trips per step, runs/s",
         (),
