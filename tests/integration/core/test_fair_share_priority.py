@@ -294,3 +294,88 @@ def test_a_freed_slot_wakes_the_line_not_waiting_for_new_runs_whose_messages_are
     assert _turns(durable, outbox, wf, "a", holder, 2) == parked[:2]
     for run_id in queued:  # their claims, when their messages come, park them behind the line
         assert durable.engine.execute(wf, wf.steps[0], run_id, False) == "dropped"
+
+
+FAIR_RACE = """
+import time
+import redis
+
+SPANS = {spans!r}
+
+
+def define(durable):
+    wf = durable.workflow("race", concurrency={{"limit": 2, "fair": "t:{{tenant}}"}})
+
+    @wf.step
+    def work(tenant, n):
+        began = time.time()
+        time.sleep(0.02)
+        redis.Redis.from_url({redis!r}).rpush(SPANS, f"{{began}} {{time.time()}} {{tenant}}")
+"""
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_fair_starts_from_many_producers_on_two_worker_processes_keep_the_limit(
+    make_durable, tmp_path, redis_client
+):
+    """Six producer threads start runs of three fair keys while two ``celery worker`` processes
+    (three threads each) claim, park and wake them: never more than the limit's two steps at
+    once across the processes, every run completes, every fair key is served."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.conftest import REDIS_URL
+    from tests.integration.helpers import ROOT, cli_app
+
+    durable = make_durable()
+    spans = f"durable-test-spans-{uuid.uuid4().hex}"
+    source = FAIR_RACE.format(spans=spans, redis=REDIS_URL)
+    cli_app(durable, tmp_path, "fairrace", source)  # writes fairrace.py: the app of the workers
+    namespace: dict = {}
+    exec(source, namespace)
+    namespace["define"](durable)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    queue = durable.app.conf.task_default_queue
+    command = [sys.executable, "-m", "celery", "-A", "fairrace", "worker", "-P", "threads", "-c", "3"]
+    workers = [
+        subprocess.Popen(
+            [*command, "-Q", queue, "-n", f"fair{n}@%h", "--without-mingle", "--without-gossip"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for n in range(2)
+    ]
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def produce(tenant: str) -> None:
+        for n in range(10):
+            run_id = durable.start("race", {"tenant": tenant, "n": n})
+            with lock:
+                ids.append(run_id)
+
+    try:
+        producers = [threading.Thread(target=produce, args=(f"t{i % 3}",)) for i in range(6)]
+        for thread in producers:
+            thread.start()
+        for thread in producers:
+            thread.join()
+        for run_id in ids:
+            assert wait_for(durable, run_id, timeout=120).status == "completed"
+    finally:
+        for process in workers:
+            process.terminate()
+        for process in workers:
+            process.wait(30)
+    found = [line.decode().split() for line in redis_client.lrange(spans, 0, -1)]
+    redis_client.delete(spans)
+    assert len(found) == 60 and {tenant for _, _, tenant in found} == {"t0", "t1", "t2"}
+    edges = sorted([(float(a), 1) for a, _, _ in found] + [(float(b), -1) for _, b, _ in found])
+    running = peak = 0
+    for _, change in edges:  # an end before a start at the same instant
+        running += change
+        peak = max(peak, running)
+    assert peak <= 2
