@@ -9,14 +9,18 @@ counts the key's runs, bounded by the limit, over partial indexes:
   runs created per ``period``; beyond it ``RateLimited`` and nothing written.
 - **throttle**, at the claim of a run's first step: at most ``limit`` runs begin per ``period``.
   A run that may not begin yet is parked (``flow_wait='throttle'``) due when the window should
-  let it, and looks again then; runs waiting to begin go in start order.
+  let it, and looks again then; runs waiting to begin go in line order.
 - **concurrency**, at every claim of a step: a step may run while fewer than ``limit`` steps of
-  its key run and wait ahead of it in start order. A refused run is parked (``flow_wait='slot'``,
+  its key run and wait ahead of it in line. A refused run is parked (``flow_wait='slot'``,
   not due, holding no worker and no connection) until a slot frees: whoever frees one (the
-  step's end, ``release``) or parks wakes the runs parked longest, and every worker's upkeep
+  step's end, ``release``) or parks wakes the runs first in line, and every worker's upkeep
   (``SlotWaker``) fills free slots a crash left. A step holds its slot while its run is
   locked, so a dead worker's slot comes back when its lock goes stale (or at once, WorkerLost).
   Compensations neither wait for nor hold a slot.
+
+The line is ``runs.line_at``: the run's start, moved earlier by its priority (aged by the
+``priority_aging`` setting) and, under a fair limit, set to its fair key's next turn at its start
+(``_line_up``); runs with equal places go by id.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def limited(workflow: Workflow) -> bool:
     return workflow.concurrency is not None or workflow.throttle is not None
 
 
-# -- starts: rate_limit -------------------------------------------------------------------------
+# -- starts: rate_limit, and a place in line (fair share, priority) -----------------------------
 
 
 def starts_in_transaction(workflow: Workflow, run: dict[str, Any]) -> bool:
