@@ -37,7 +37,7 @@ class Capability(enum.Flag):
     TRANSACTIONS = enum.auto()  # start(connection=...): a run written in the caller's transaction
     SKIP_LOCKED = enum.auto()  # relays and sweeps of many workers share work without waiting
     MULTI_PROCESS = enum.auto()  # workers and producers in several processes share the store
-    # concurrency= (with fair keys), throttle=, rate_limit= per key, and priorities (core/flow.py)
+    # concurrency= (with fair keys), throttle=, rate_limit= per key, priorities (core/flow.py), batch=
     FLOW_CONTROL = enum.auto()
     # @wf.step(atomic=True) (core/atomic.py): a step's transaction stays open while it runs, which
     # SQLite's one writer at a time would make every other write (heartbeats too) wait for.

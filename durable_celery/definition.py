@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from .errors import InvalidDefinition, InvalidKey, InvalidStart, NotConfigured, UnknownWorkflow
 from .inputs import check_key
-from .limits import FlowLimit, check_priority
+from .limits import Batch, FlowLimit, check_priority
 
 REUSE = ("after_close", "after_failure", "never")
 ON_DUPLICATE = ("use_existing", "error", "cancel_existing", "run_again")
@@ -146,6 +146,7 @@ class Workflow:
     rate_limit: Any = None
     # Among runs waiting for the same limit, higher goes first (aged: see core/runs.py); 0 default.
     priority: int = 0
+    batch: Any = None  # {"max", "period", "key"}: starts gathered into one run (limits.Batch)
     steps: list[Step] = field(default_factory=list)
     # The registry of the Durable it was defined on (None: shared, or not yet bound).
     registry: Registry | None = field(default=None, repr=False)
@@ -179,6 +180,7 @@ class Workflow:
         self.throttle = FlowLimit.parse("throttle", self.throttle)
         self.rate_limit = FlowLimit.parse("rate_limit", self.rate_limit)
         self.priority = check_priority(self.priority, InvalidDefinition)
+        self.batch = Batch.parse(self.batch, self.key, self.debounce, self.idempotency)
 
     # -- definition -------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ Each is ``{"limit": n, "period": seconds, "key": template-or-callable}`` (``conc
 period; ``key`` is optional: without it one limit covers the whole workflow). ``concurrency`` may
 also share its slots across fair keys: ``"fair": template-or-callable`` and ``"weights": {fair
 key: share}`` (or a callable on the fair key; default 1). They are checked here when the workflow
-is defined; ``core/flow.py`` decides them against the database.
+is defined; ``core/flow.py`` decides them against the database. ``batch`` (``Batch``) gathers
+starts into one run (``core/batches.py``).
 """
 
 from __future__ import annotations
@@ -172,3 +173,61 @@ def _example(kind: str) -> str:
     if kind == "concurrency":
         return "{'limit': 2, 'key': 'tenant:{tenant}'}"
     return "{'limit': 10, 'period': 60, 'key': 'api:{customer}'}"
+
+
+MAX_BATCH = 10_000
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A workflow's ``batch`` option: starts with one batch key within ``period`` seconds of the
+    first (at most ``max``) are gathered into one run whose steps get ``items=[input, ...]``."""
+
+    max: int
+    period: float
+    key: str | Callable[[dict[str, Any]], Any] | None = None
+
+    @classmethod
+    def parse(
+        cls, given: Any, key: Any = None, debounce: Any = None, idempotency: str = "optional"
+    ) -> Batch | None:
+        """The option as given to ``workflow(batch=...)``; InvalidDefinition when malformed or
+        combined with a workflow key, a debounce or ``idempotency="required"``."""
+        if given is None or isinstance(given, Batch):
+            return given
+        example = "{'max': 100, 'period': 5, 'key': 'invoice:{customer}'}"
+        if not isinstance(given, Mapping):
+            raise InvalidDefinition(f"batch takes a dict like {example}, not {given!r}")
+        unknown = sorted(set(given) - {"max", "period", "key"})
+        if unknown:
+            raise InvalidDefinition(f"batch takes ['key', 'max', 'period'], not {unknown[0]!r}: {example}")
+        most = given.get("max")
+        if isinstance(most, bool) or not isinstance(most, int) or not 2 <= most <= MAX_BATCH:
+            raise InvalidDefinition(f"batch max must be an int from 2 to {MAX_BATCH}, not {most!r}")
+        if "period" not in given:
+            raise InvalidDefinition(f"batch needs a period in seconds: {example}")
+        batch_key = given.get("key")
+        if batch_key is not None and not (isinstance(batch_key, str) or callable(batch_key)):
+            raise InvalidDefinition(
+                f"batch key must be a template str or a callable on the input, not {batch_key!r}"
+            )
+        for clash, said in ((key, "a workflow key"), (debounce, "debounce")):
+            if clash is not None:
+                raise InvalidDefinition(
+                    f"batch cannot be combined with {said}: a batch's run gathers many starts, "
+                    "a key or a debounce answers them with one; use the batch key instead"
+                )
+        if idempotency == "required":
+            raise InvalidDefinition(
+                "batch cannot be combined with idempotency='required' (its starts take no key)"
+            )
+        return cls(most, _seconds("batch", given["period"]), batch_key)
+
+    def key_for(self, data: dict[str, Any], workflow: str | None) -> str:
+        """The batch key of a start's input ('' without ``key``: one batch for the workflow)."""
+        return _derive(self.key, data, workflow, "batch key")
+
+    def describe(self) -> dict[str, Any]:
+        """The option as shown by the dashboard and the CLI (a callable key by its name)."""
+        key = self.key if not callable(self.key) else getattr(self.key, "__name__", "callable")
+        return {"max": self.max, "period": self.period, "key": key}

@@ -44,6 +44,8 @@ class Run:
     forked_from: str | None = None
     # Among runs waiting for the same flow limit, higher goes first (0 the default).
     priority: int = 0
+    # A batch workflow's run: the batch key its starts were gathered by (input ``{"items": [...]}``).
+    batch_key: str | None = None
 
     @property
     def finished(self) -> bool:

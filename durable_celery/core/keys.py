@@ -20,6 +20,7 @@ from ..errors import DurableError, KeyContended, KeyTaken
 from ..inputs import same_json
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
 from ..store.schema import UNFINISHED
+from . import batches
 from .flow import admit_start_txn, starts_in_transaction
 
 if TYPE_CHECKING:
@@ -328,7 +329,8 @@ def start_run(
     can (PostgreSQL), else the full decision. ``fold=False`` (a rerun): a debounced holder not
     yet claimed answers by ``policy`` too, instead of taking this start's input."""
     db = rt.db
-    if not db.is_postgres or starts_in_transaction(workflow, run):  # a rate limit, a fair line
+    # A rate limit, a fair line, a batch: decided in a transaction.
+    if not db.is_postgres or starts_in_transaction(workflow, run) or "batch_key" in run:
         with db.begin() as conn:
             return decide_start_txn(rt, conn, workflow, run, policy, fold=fold)
     with db.single() as conn:
@@ -377,7 +379,10 @@ def decide_start_txn(
     key_seen_held: bool = False,
     fold: bool = True,
 ) -> Decision:
-    """Insert a new run, or answer from the holder of its key; the caller commits."""
+    """Insert a new run, or answer from the holder of its key (or put it in its batch); the
+    caller commits."""
+    if "batch_key" in run:
+        return _batched(rt, conn, workflow, run)
     if run["key"] is None:
         admit_start_txn(rt, conn, workflow, run)
         queries.insert_run_txn(rt.db, conn, run)
@@ -386,6 +391,23 @@ def decide_start_txn(
     if decision.created:
         started = {"run_id": decision.run_id, "workflow": workflow.name, "key": run["key"]}
         decision.notices.insert(0, (signals.run_started, started))
+    return decision
+
+
+def _batched(rt: Runtime, conn: Connection, workflow: Workflow, run: dict[str, Any]) -> Decision:
+    """A batch workflow's start: a new run opening its batch, or the run of the open batch it
+    joined (sent now if the start filled it)."""
+
+    def create() -> None:
+        admit_start_txn(rt, conn, workflow, run)
+        queries.insert_run_txn(rt.db, conn, run)
+
+    run_id, full = batches.gather_txn(rt.db, conn, workflow, run, create)
+    if run_id == run["id"]:
+        return _created(workflow, run)
+    decision = Decision(run_id)
+    if full:
+        decision.publish.append((workflow.name or "", run_id, 0, 1, None))
     return decision
 
 

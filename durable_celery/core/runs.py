@@ -52,13 +52,17 @@ def new_run(
     tags: dict[str, str] | None = None,
     priority: int | None = None,
     aging: float = 60.0,
+    batch_key: str | None = None,
 ) -> dict[str, Any]:
     """A new run's row; InvalidStart if a step cannot take ``data`` (every path that makes
     a run comes here before it writes: start, rerun, fork, children, schedule fires).
 
     ``priority`` (the workflow's when None) places the run in the line of its flow limits:
     ``line_at`` is its start time less ``priority * aging`` seconds, so a higher priority goes
-    ahead of runs started up to that long before it, never of older ones (no run starves)."""
+    ahead of runs started up to that long before it, never of older ones (no run starves).
+
+    A batch workflow's input is ``{"items": [...]}``, its flow keys those of the first item;
+    with ``batch_key`` the run gathers starts (core/batches.py), due once its period is over."""
     wf.check_fits(data)
     rank = wf.priority if priority is None else priority
     run: dict[str, Any] = {
@@ -75,12 +79,16 @@ def new_run(
         "published": True,
         "queue": queue_of(default_queue, wf, 0),
     }
-    run.update((column, value) for column, value in wf.flow_keys(data).items() if value is not None)
+    items = data.get("items") if wf.batch is not None else None
+    keyed_by = items[0] if isinstance(items, list) and items and isinstance(items[0], dict) else data
+    run.update((column, value) for column, value in wf.flow_keys(keyed_by).items() if value is not None)
     if tags:
         run["tags"] = tags
     if rank:
         run["priority"] = rank
-    if wf.timeout and not (wf.debounce and key is not None):
+    if batch_key is not None:
+        run.update(batch_key=batch_key, due_at=Clock(wf.batch.period), published=False)
+    elif wf.timeout and not (wf.debounce and key is not None):
         run["deadline_at"] = Clock(wf.timeout)
     if wf.debounce and key is not None:
         # Due after the period, never later than the timeout from this first start.

@@ -12,6 +12,7 @@ from ..errors import InvalidStart
 from ..inputs import check_input, check_tags
 from ..limits import check_priority
 from . import atomic
+from .batches import first_item
 from .control import after_commit
 from .eager import run_eagerly
 from .keys import start_run
@@ -50,12 +51,16 @@ class Starter:
         data = check_input(input, rt.settings.max_input_bytes)
         run_tags = check_tags(tags)
         rank = None if priority is None else check_priority(priority, InvalidStart)
-        run_key = wf.derive_key(data, key)
+        batch_key = None
+        if wf.batch is not None:  # gathered with the other starts of its batch key (batches.py)
+            data, batch_key = first_item(wf, data, key)
+        run_key = None if wf.batch is not None else wf.derive_key(data, key)
         policy = wf.on_duplicate if on_duplicate is None else check_on_duplicate(on_duplicate, wf)
         if connection is None:  # inside an atomic step, or the caller's ambient transaction
             connection = atomic.current() or (self.ambient() if self.ambient is not None else None)
         self._check(wf, run_key, policy, connection)
-        run = new_run(rt.default_queue(), wf, data, run_key, run_tags, rank, rt.settings.priority_aging)
+        aging = rt.settings.priority_aging
+        run = new_run(rt.default_queue(), wf, data, run_key, run_tags, rank, aging, batch_key)
         rt.instrumentation.stamp_run(wf, run)  # the run's trace (tracing.py)
         if connection is not None:
             return start_in_callers_transaction(rt, connection, wf, run, policy)
@@ -75,6 +80,6 @@ class Starter:
             self.rt.require(Capability.TRANSACTIONS, "start", "connection=", wf.name)
         if any(step.atomic for step in wf.steps):
             self.rt.require(Capability.ATOMIC_STEPS, "start", "atomic steps (PostgreSQL only)", wf.name)
-        for kind in ("concurrency", "throttle", "rate_limit"):
+        for kind in ("concurrency", "throttle", "rate_limit", "batch"):
             if getattr(wf, kind) is not None:
                 self.rt.require(Capability.FLOW_CONTROL, "start", f"{kind}=", wf.name)

@@ -1,9 +1,10 @@
 """Watching flow control: each limit's use per key, and why one run waits for its limit.
 
-``flow_report`` reads, for every workflow defined here with ``concurrency``, ``throttle`` or
-``rate_limit``, its limits (``FlowLimit.describe()``) and per key what they hold back: slots in
+``flow_report`` reads, for every workflow defined here with ``concurrency``, ``throttle``,
+``rate_limit`` or ``batch``, its limits (``FlowLimit.describe()``) and per key what they hold back: slots in
 use and runs parked for one, begins in the throttle's window and runs it parked (with the
-soonest look again), starts in the rate limit's window. ``flow_hold`` (``explain_wait``) says in
+soonest look again), starts in the rate limit's window; a ``batch`` workflow's open batches
+(key, run, items, when it closes). ``flow_hold`` (``explain_wait``) says in
 one line which limit holds a parked run: a concurrency slot, the throttle's window, or the runs
 of its key started before it. The run page, the Flow page, ``durable flow``, the JSON API and
 ``testing.wait_for`` all use these words. Every read is bounded (store/flow_reads.py).
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidArgument, InvalidStart
 from ..limits import KINDS
 from ..models import aware
-from ..store import flow_reads
+from ..store import batch_rows, flow_reads
 from ..store.flow_rows import SLOT, THROTTLE
 
 if TYPE_CHECKING:
@@ -61,6 +62,19 @@ class FairShare:
 
 
 @dataclass(frozen=True)
+class OpenBatch:
+    """One open batch of a batch workflow: its key, the run gathering it, the starts it holds
+    (of ``max``), when it opened and when it closes (its run is due then, or at ``max``)."""
+
+    key: str
+    run_id: str
+    items: int
+    max: int
+    opened_at: datetime | None
+    closes_at: datetime | None
+
+
+@dataclass(frozen=True)
 class WorkflowFlow:
     """A flow-limited workflow: its limits as given, each key's use, each fair key's share (a
     fair concurrency limit), and its parked runs per priority."""
@@ -70,11 +84,12 @@ class WorkflowFlow:
     keys: list[KeyUse] = field(default_factory=list)
     fair: list[FairShare] = field(default_factory=list)
     priorities: dict[int, int] = field(default_factory=dict)
+    batches: list[OpenBatch] = field(default_factory=list)
 
 
 def limits_of(workflow: Workflow) -> dict[str, dict[str, Any]]:
     """The workflow's flow limits as shown to people, by kind (none: ``{}``)."""
-    found = {kind: getattr(workflow, kind) for kind in KINDS}
+    found = {kind: getattr(workflow, kind) for kind in (*KINDS, "batch")}
     return {kind: limit.describe() for kind, limit in found.items() if limit is not None}
 
 
@@ -105,11 +120,22 @@ def flow_report(rt: Runtime, workflow: str | None = None, keys: int = KEYS_SHOWN
                 entry.keys.extend(_throttle_keys(rt, conn, entry.workflow, wf.throttle, keys))
             if wf.rate_limit is not None:
                 entry.keys.extend(_rate_keys(rt, conn, entry.workflow, wf.rate_limit, keys))
+            if wf.batch is not None:
+                entry.batches.extend(open_batches(rt, conn, entry.workflow, wf.batch.max, keys))
             found.append(entry)
     now = rt.db.utcnow()
     for entry in found:
         entry.keys[:] = [replace(k, held=held_words(k, now)) for k in entry.keys]
     return found
+
+
+def open_batches(rt: Runtime, conn: Connection, workflow: str, most: int, keys: int) -> list[OpenBatch]:
+    """The open batches of ``workflow`` (at most ``keys``, closing soonest first)."""
+    rows = batch_rows.open_batches(rt.db, conn, workflow, keys)
+    return [
+        OpenBatch(row.batch_key, row.run_id, int(row.items), most, aware(row.opened_at), aware(row.closes_at))
+        for row in rows
+    ]
 
 
 def _slot_keys(conn: Connection, workflow: str, limit: FlowLimit, keys: int) -> list[KeyUse]:
@@ -349,6 +375,8 @@ def limit_words(kind: str, shown: dict[str, Any]) -> str:
     per api:{customer}", "1 start per 3600s for the whole workflow"."""
     key = shown.get("key")
     per = f"per {key}" if key else "for the whole workflow"
+    if kind == "batch":
+        return f"up to {shown['max']} starts a run, gathered for {period_words(shown['period'])} {per}"
     if kind == "concurrency":
         fair = f", shared fairly by {shown['fair']}" if shown.get("fair") else ""
         return f"{shown['limit']} at once {per}{fair}"

@@ -13,7 +13,7 @@
   finished in the last hour per status, stale locks, draining nodes, disabled schedules and late ones (beat
   down; read from RedBeat too, where it keeps the schedules), runs parked by flow control per
   workflow and what they wait for, concurrency slots in use per workflow, and per fair key of a
-  fair limit its slots in use and runs waiting. A read is reused
+  fair limit its slots in use and runs waiting, open batches and their items. A read is reused
   for ``METRICS_CACHE_SECONDS``, so scrapes in quick succession (several Prometheus servers,
   a dashboard) cost the database nothing more.
 
@@ -32,14 +32,14 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from celery import signals as celery_signals
 
 from .. import signals
 from ..errors import MissingExtra
-from ..store import flow_reads, observe_rows, schedule_rows
+from ..store import batch_rows, flow_reads, observe_rows, schedule_rows
 from ..store.schema import UNFINISHED
 
 if TYPE_CHECKING:
@@ -77,6 +77,8 @@ class DatabaseRows:
     flow: Sequence[Any] = ()
     # (workflow, row of flow_reads.fair_use): the fair keys of fair limits defined here
     fair: Sequence[tuple[str, Any]] = ()
+    # workflow -> (open batches, items they hold): batch workflows (core/batches.py)
+    batches: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 # Fair keys per workflow given a series each, most waiting first (a label per tenant: bounded).
@@ -154,7 +156,12 @@ class DatabaseCollector:
                     for name in self._fair_workflows()
                     for row in flow_reads.fair_use(conn, name, FAIR_KEYS)
                 ],
+                batches=batch_rows.open_counts(db, conn) if self._batching() else {},
             )
+
+    def _batching(self) -> bool:
+        """Is a workflow defined here a batch workflow (its open batches are read then)?"""
+        return any(w.batch is not None for w in self.rt.registry.workflows.values())
 
     def _fair_workflows(self) -> list[str]:
         """The workflows defined here whose concurrency limit has a fair key."""
@@ -256,7 +263,17 @@ class DatabaseCollector:
         for workflow, row in rows.fair:
             fair_used.add_metric([workflow, row.key], int(row.in_use or 0))
             fair_waiting.add_metric([workflow, row.key], int(row.waiting or 0))
-        return [waiting, slots, fair_used, fair_waiting]
+        batches = gauge(
+            "durable_batches_open", "Open batches gathering starts, per workflow", labels=["workflow"]
+        )
+        items = gauge(
+            "durable_batch_items", "Starts gathered by open batches, per workflow", labels=["workflow"]
+        )
+        gathering = {wf.name or "": (0, 0) for wf in defined if wf.batch is not None}
+        for workflow, (count, held) in sorted({**gathering, **rows.batches}.items()):
+            batches.add_metric([workflow], count)
+            items.add_metric([workflow], held)
+        return [waiting, slots, fair_used, fair_waiting, batches, items]
 
 
 def _aware(value: Any) -> Any:

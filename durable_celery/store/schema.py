@@ -187,6 +187,8 @@ runs = Table(
     # the runs retry, rerun and fork make), and the run it was forked from (durable.fork).
     Column("tags", Json),
     Column("forked_from", String(36)),
+    # The batch key a batch workflow's run gathered its starts by (core/batches.py).
+    Column("batch_key", String(255)),
     Column("created_at", Timestamp, nullable=False),
     Column("started_at", Timestamp),
     Column("finished_at", Timestamp),
@@ -318,6 +320,21 @@ keys = Table(
     # Deferred: a key row may be written before its run row, in the same transaction.
     _goes_with_run("holder_id", "CASCADE", deferred=True),
     _goes_with_run("waiting_id", "SET NULL", deferred=True),
+)
+
+# A batch workflow's open batches (core/batches.py): a start with the batch key adds its input
+# to the run named here until ``closes_at`` or ``max`` items; a batch that closed is replaced by
+# the next start of its key, and dropped by the upkeep. No foreign key: the row may name a run
+# the same transaction writes next, and outlives it by no more than the upkeep's next pass.
+batches = Table(
+    "durable_batches",
+    metadata,
+    Column("workflow", String(200), primary_key=True),
+    Column("batch_key", String(255), primary_key=True),
+    Column("run_id", String(36), nullable=False),
+    Column("items", Integer, nullable=False),
+    Column("opened_at", Timestamp, nullable=False),
+    Column("closes_at", Timestamp, nullable=False),
 )
 
 # What happened, for people: key decisions and other notable moments, kept for a week.

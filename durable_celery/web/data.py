@@ -403,7 +403,7 @@ def describe_workflow(durable: Durable, workflow: Any) -> dict[str, Any]:
 def flow_data(durable: Durable, workflow: str | None, keys: int = 50) -> dict[str, Any]:
     """The Flow page: per workflow with a flow limit, its limits and each key's use (slots in
     use, runs parked, begins or starts in the window), keys with most runs waiting first; each
-    fair key's share and runs waiting; the parked runs per priority."""
+    fair key's share and runs waiting; the parked runs per priority; open batches."""
     found = flow_report(durable.runtime, workflow or None, keys)
     return {
         "workflows": [
@@ -413,6 +413,7 @@ def flow_data(durable: Durable, workflow: str | None, keys: int = 50) -> dict[st
                 "keys": [dict(asdict(k), use=use_words(k), shown_key=key_words(k.key)) for k in entry.keys],
                 "fair": [asdict(share) for share in entry.fair],
                 "priorities": dict(sorted(entry.priorities.items(), reverse=True)),
+                "batches": [dict(asdict(b), shown_key=key_words(b.key)) for b in entry.batches],
             }
             for entry in found
         ],

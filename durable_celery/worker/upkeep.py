@@ -8,7 +8,7 @@ overdue, and one node at a time writes a queue sample.
 
 Three threads keep their own time, so no pass can starve another: the relay (which backs off
 while the broker is down), the sweeper (timeouts, the node's heartbeat, stale locks) and
-housekeeping (pruning, samples, the activity trim). The sweeper treats a lock as stale only
+housekeeping (pruning, samples, the activity trim, closed batches). The sweeper treats a lock as stale only
 after it has seen the database for ``stale_lock_timeout`` without a break: after an outage the
 healthy workers heartbeat their steps again before anything of theirs is handed back.
 """
@@ -33,6 +33,7 @@ from celery.worker import state as worker_state
 from .. import signals
 from ..capabilities import Capability
 from ..core import prune, queues
+from ..core.batches import drop_closed_once
 from ..core.flow import SlotWaker
 from ..core.sweeps import (
     SAMPLE_INTERVAL,
@@ -170,6 +171,7 @@ class Upkeep:
             if now >= next_trim:
                 next_trim = now + TRIM_INTERVAL
                 self._guarded(partial(trim_activity_once, rt.db))
+                self._guarded(partial(drop_closed_once, rt.db))
 
     def _observe(self, reached: bool) -> None:
         """Note whether the sweeper's last pass reached the database."""

@@ -177,3 +177,22 @@ def test_the_flow_page_shows_each_fair_keys_share_and_the_held_priorities(make_d
     finally:
         go.set()
         runner.join(30)
+
+
+def test_the_flow_page_shows_open_batches(make_durable: Any) -> None:
+    d = make_durable("webbatch")
+    wf = d.workflow("invoice", batch={"max": 4, "period": 60, "key": "invoice:{customer}"})
+    wf.step(lambda items: len(items), name="bill")
+    run_id = d.start("invoice", {"customer": XSS})
+    d.start("invoice", {"customer": XSS})
+    c = TestClient(create_app(d))
+    page = c.get("/flow")
+    text = _text(page.text)
+    assert "up to 4 starts a run, gathered for 60s per invoice:{customer}" in text
+    assert "Open batches" in text and "2 of 4" in text and run_id[:8] in page.text
+    assert XSS not in page.text and html.escape(f"invoice:{XSS}") in page.text
+    (found,) = c.get("/api/flow").json()["workflows"]
+    assert [(b["key"], b["run_id"], b["items"], b["max"]) for b in found["batches"]] == [
+        (f"invoice:{XSS}", run_id, 2, 4)
+    ]
+    assert found["batches"][0]["closes_at"] is not None

@@ -164,6 +164,7 @@ class DurableRun(ReadOnlyModel):
     line_at = models.DateTimeField("in line at")
     fair_key = models.CharField(max_length=255, null=True)
     priority = models.IntegerField(null=True)
+    batch_key = models.CharField(max_length=255, null=True)
     progress = models.JSONField(null=True)
     tags = models.JSONField(null=True)
     forked_from = models.CharField(max_length=36, null=True)

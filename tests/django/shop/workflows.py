@@ -13,3 +13,14 @@ def fulfil_order(order_id):
     order.fulfilled = True
     order.save(update_fields=["fulfilled"])
     return {"item": order.item}
+
+
+# An invoice per customer gathers the order lines started within half a second (core/batches.py).
+invoice_lines = durable.workflow(
+    "invoice_lines", batch={"max": 50, "period": 0.5, "key": "invoice:{customer}"}
+)
+
+
+@invoice_lines.step
+def bill_lines(items):
+    return {"lines": [item["order_id"] for item in items]}

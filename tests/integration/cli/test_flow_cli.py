@@ -39,6 +39,8 @@ def define(durable):
     durable.workflow("plain").step(lambda: None, name="only")
     fair = durable.workflow("fair", concurrency={"limit": 1, "fair": "t:{tenant}", "weights": {"t:gold": 3}})
     fair.step(lambda tenant, n: n, name="work")
+    invoice = durable.workflow("invoice", batch={"max": 5, "period": 60, "key": "invoice:{customer}"})
+    invoice.step(lambda items: len(items), name="bill")
 """
 
 
@@ -121,7 +123,7 @@ def test_flow_json_and_one_workflow(cli, parked):
 def test_flow_refuses_an_unknown_workflow_and_has_help(cli):
     out = cli("--workflow", "nope", code=1)
     assert "no workflow 'nope' is defined here" in out
-    assert "one of api, fair, plain, sync" in out
+    assert "one of api, fair, invoice, plain, sync" in out
     text = cli("--help")
     assert "--workflow NAME" in text and "--json" in text and "concurrency: slots in use" in text
     assert "api: throttle 1 begin per 60s" in cli()  # no run yet: the limits, nothing in use
@@ -157,3 +159,19 @@ def test_flow_shows_each_fair_keys_share_and_the_held_priorities(cli, durable):
         ("fair", "t:gold", 1),
     ]
     assert {"workflow": "fair", "kind": "priorities", "held": {"2": 1, "0": 1}} in found
+
+
+def test_flow_shows_open_batches(cli, durable):
+    namespace: dict = {}
+    exec(DEFINE, namespace)
+    namespace["define"](durable)
+    assert cli("-w", "invoice").splitlines()[1:] == ["  no batch open"]
+    first = durable.start("invoice", {"customer": 1})
+    durable.start("invoice", {"customer": 1})
+    lines = cli("-w", "invoice").splitlines()
+    assert lines[0] == "invoice: batch up to 5 starts a run, gathered for 60s per invoice:{customer}"
+    words = lines[1].split()
+    assert words[:6] == ["batch", "invoice:1", "2", "of", "5", "items"] and words[-2:] == ["run", first]
+    found = [json.loads(line) for line in cli("-w", "invoice", "--json").splitlines()]
+    batches = [e for e in found if e.get("kind") == "batch"]
+    assert [(b["key"], b["run_id"], b["items"], b["max"]) for b in batches] == [("invoice:1", first, 2, 5)]

@@ -249,3 +249,22 @@ def test_a_fair_limit_shows_each_fair_keys_share_and_the_held_priorities(durable
     finally:
         go.set()
         runner.join(30)
+
+
+def test_open_batches_show_their_key_items_and_when_they_close(durable):
+    wf = durable.workflow("invoice", batch={"max": 5, "period": 60, "key": "invoice:{customer}"})
+    wf.step(lambda items: len(items), name="bill")
+    durable.workflow("plain").step(lambda: None, name="only")
+    assert durable.metrics.value("durable_batches_open", {"workflow": "invoice"}) == 0
+    first = durable.start("invoice", {"customer": 1})
+    durable.start("invoice", {"customer": 1})
+    second = durable.start("invoice", {"customer": 2})
+    (entry,) = flow_report(durable.runtime)  # a workflow without limits or batch is not listed
+    assert entry.workflow == "invoice"
+    assert entry.limits == {"batch": {"max": 5, "period": 60.0, "key": "invoice:{customer}"}}
+    shown = [(b.key, b.run_id, b.items, b.max) for b in entry.batches]
+    assert sorted(shown) == [("invoice:1", first, 2, 5), ("invoice:2", second, 1, 5)]
+    for batch in entry.batches:
+        assert 59 <= (batch.closes_at - batch.opened_at).total_seconds() <= 61
+    assert durable.metrics.value("durable_batches_open", {"workflow": "invoice"}) == 2
+    assert durable.metrics.value("durable_batch_items", {"workflow": "invoice"}) == 3
