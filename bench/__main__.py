@@ -68,6 +68,12 @@ BENCHES = (
         ("--backlog", "300", "--small", "3", "--stream-s", "3", "--prefill", "50"),
     ),
     Bench(
+        "batch",
+        "batches: starts gathered by batch key against one run per start, lines handled a second",
+        (),
+        ("-n", "300", "--keys", "10", "--period", "0.3"),
+    ),
+    Bench(
         "peers",
         "durable beside plain Celery chains, DBOS and procrastinate (the [bench] extra): runs/s, CPU"
         " per run, start-to-first-step latency, keyed starts",

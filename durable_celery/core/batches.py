@@ -46,17 +46,18 @@ def gather_txn(
     ``create()`` writes ``run`` when the start opens a batch."""
     batch = workflow.batch
     assert batch is not None
-    name, batch_key = run["workflow"], run["batch_key"]
-    run_id, items = batch_rows.join_txn(db, conn, name, batch_key, run["id"], batch.period, batch.max)
+    name, batch_key, item = run["workflow"], run["batch_key"], run["input"]["items"][0]
+    shape = (batch.period, batch.max)
+    run_id, items, added = batch_rows.join_txn(db, conn, name, batch_key, run["id"], shape, item)
     if run_id != run["id"]:
-        if batch_rows.add_item_txn(db, conn, run_id, run["input"]["items"][0]):
+        if added:
             full = items >= batch.max
             if full:
                 batch_rows.close_txn(db, conn, name, batch_key, run_id)
             return run_id, full
         # Its run began (or was cancelled) before the period ended: this start opens the next.
         batch_rows.drop_txn(conn, name, batch_key, run_id)
-        run_id, _ = batch_rows.join_txn(db, conn, name, batch_key, run["id"], batch.period, batch.max)
+        run_id, _, _ = batch_rows.join_txn(db, conn, name, batch_key, run["id"], shape, item)
     create()
     return run_id, False
 

@@ -278,3 +278,18 @@ def test_the_fake_gathers_batches_on_its_own_clock_and_one_told_it_lacks_flow_co
         assert refusing.list_runs() == []
     finally:
         refusing.close()
+
+
+def test_a_rerun_of_a_batch_run_takes_its_items_and_gathers_nothing(durable):
+    seen: list[list[int]] = []
+    _define(durable, seen=seen)
+    run_id = durable.start("invoice", {"customer": 1, "n": 1})
+    durable.start("invoice", {"customer": 1, "n": 2})
+    durable.start("invoice", {"customer": 1, "n": 3})  # the third fills it: due now
+    with worker(durable):
+        assert wait_for(durable, run_id, timeout=30).output == 6
+        again = durable.rerun(run_id)
+        assert wait_for(durable, again, timeout=30).output == 6
+    rerun = durable.get_run(again)
+    assert rerun.input == durable.get_run(run_id).input and rerun.batch_key is None
+    assert seen == [[1, 2, 3], [1, 2, 3]] and _open(durable) == {}
