@@ -2,9 +2,9 @@
 
 A start commits its run with ``published=true`` and ``due_at`` set, then hands the first step's
 message to this process's ``Publisher``. Its thread sends whatever has queued up since its last
-pass in one kombu publish batch (one producer it holds, one Redis pipeline; while starts keep
-coming it waits up to ``publish_linger`` for more), so a caller pays for an append to a list instead of
-building and sending a Celery message.
+pass in one kombu publish batch (one producer it holds, one Redis pipeline; while starts come
+faster than one a millisecond it waits for a few more, never over ``publish_linger``), so a caller
+pays for an append to a list instead of building and sending a Celery message.
 
 The caller never waits for the broker: ``send_soon`` appends and, for the first message,
 starts the thread; the connection is made from that thread, so a start returns in microseconds
@@ -47,16 +47,13 @@ from ..instrument import tracing
 log = logging.getLogger("durable_celery")
 
 BATCH = 500  # messages per kombu batch (one pipeline round trip on Redis)
-# While starts come fast, the thread waits this long for more before it sends, so that one
-# batch carries them (a start in a slower stream goes at once): at most this much later to
-# the broker, for a fraction of the CPU per message. Each send costs system calls (the Redis
-# round trip, waking this thread, handing the GIL back and forth) that cost more than the
-# message on a VM: one start in a steady stream cost the publisher about 1 ms of CPU lingering
-# 2 ms (batches of 1.5) and 0.3 ms lingering 20 ms (batches of 14). Setting ``publish_linger``.
+# While messages come fast, the thread waits for a few more before it sends, so that one batch
+# carries them: one start from a loop cost the process 0.39 to 0.49 ms of CPU with batches, 0.62
+# to 0.87 ms sent one by one (6 Dec 2026). A message waits at most GAPS mean gaps and never over
+# this (setting ``publish_linger``); in a slower stream it goes at once (docs/performance.md).
 LINGER = 0.02
-# Lingering pays only while messages come faster than this fraction of ``linger`` apart (500 a
-# second at the default): a start in a slower stream goes at once, as a lone start always did.
-FAST_PACE = 0.1
+FAST_PACE = 0.05  # fast: a mean gap under this part of ``linger`` (1,000 a second at the default)
+GAPS = 8.0
 GATHER_CHECK = 1.0  # inside gathering(): how often the lingering thread looks again
 GAP_WEIGHT = 0.5  # how much the newest gap moves the mean gap
 EXIT_FLUSH_SECONDS = 30.0  # the longest a worker's flush after a task waits (task_postrun)
@@ -342,12 +339,12 @@ class Publisher:
                 self._done(batch)
 
     def _linger(self, cond: threading.Condition) -> None:
-        """While messages come fast (their mean gap under a tenth of ``linger``), wait up to
-        ``linger`` for more, so one batch carries them; at a slower pace each goes at once.
-        Inside ``gathering()``: until it ends or a batch is full."""
+        """While messages come fast (their mean gap under ``FAST_PACE`` of ``linger``), wait for
+        about ``GAPS`` more (never over ``linger``), so one batch carries them; in a slower stream
+        each goes at once. Inside ``gathering()``: until it ends or a batch is full."""
         if not self._gathering and (not self.linger or self._gap > self.linger * FAST_PACE):
             return
-        deadline = time.monotonic() + self.linger
+        deadline = time.monotonic() + min(self.linger, GAPS * self._gap)
         while len(self._queue) < BATCH and not (self._hurry or self._stopping):
             left = GATHER_CHECK if self._gathering else deadline - time.monotonic()
             if left <= 0 or cond is not self._cond:

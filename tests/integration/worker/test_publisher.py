@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -323,14 +324,17 @@ def test_an_idle_publisher_thread_ends_and_the_next_start_brings_another(pg_url,
 
 
 @pytest.mark.parametrize("backend", BROKERS)
-def test_a_steady_stream_goes_out_in_batches_and_a_lone_start_at_once(pg_url, broker_url):
+def test_a_fast_stream_waits_a_few_gaps_never_the_whole_linger(pg_url, broker_url):
     queue = queue_name()
     durable = make(pg_url, broker_url, queue, publish_linger=1.0)  # long, so the test reads it plainly
     sizes: list[tuple[float, int]] = []
     send = durable.publisher._send_batch
+    slow = threading.Event()
 
     def counted(batch):
         sizes.append((time.monotonic(), len(batch)))
+        if slow.is_set():  # a broker slower than the starts: messages wait for the thread
+            time.sleep(0.05)
         return send(batch)
 
     durable.publisher._send_batch = counted
@@ -340,11 +344,24 @@ def test_a_steady_stream_goes_out_in_batches_and_a_lone_start_at_once(pg_url, br
         assert time.monotonic() - began < 10, "the lone start was never sent"
         time.sleep(0.005)
     assert sizes[0][1] == 1 and sizes[0][0] - began < 0.9  # a start after a quiet spell: at once
-    stream = [durable.start("ship", {"order": n}, key=f"s-{n}") for n in range(1, 31)]
+    # A stream fast for this linger (a start every 10 ms): a message waits for a few more gaps,
+    # never the whole second.
+    paced = []
+    for n in range(1, 11):
+        paced.append(durable.start("ship", {"order": n}, key=f"p-{n}"))
+        time.sleep(0.01)
+    last = time.monotonic()
+    while sum(n for _, n in sizes[1:]) < 10:  # no flush: it would cut a linger short
+        assert time.monotonic() - last < 10, sizes
+        time.sleep(0.005)
+    assert sizes[-1][0] - last < 0.5, sizes
+    # Starts back to back while each send takes 50 ms: they share round trips.
+    slow.set()
+    shown = len(sizes)
+    stream = [durable.start("ship", {"order": n}, key=f"s-{n}") for n in range(11, 41)]
     assert durable.flush(timeout=10)
-    # The first few set the pace (each goes at once), then they share round trips.
-    assert sum(n for _, n in sizes[1:]) == 30 and len(sizes) - 1 <= 8, sizes
-    assert sorted(sent_run_ids(durable.app, queue)) == sorted([lone, *stream])
+    assert sum(n for _, n in sizes[shown:]) == 30 and len(sizes) - shown <= 8, sizes
+    assert sorted(sent_run_ids(durable.app, queue)) == sorted([lone, *paced, *stream])
     delete_queue(durable.app, queue)
     durable.db.dispose()
 
