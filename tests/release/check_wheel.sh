@@ -77,7 +77,10 @@ grep -q "applying 0001" "$WORK/migrate.txt"
 run celery -A tinyapp durable migrate --check | grep -qx "database is up to date"
 
 PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-run celery -A tinyapp durable web --port "$PORT" >"$WORK/web.log" 2>&1 &
+# exec: $! is the server itself (a backgrounded `run` would be a subshell, and killing it would
+# leave the server running after the folder is gone).
+(exec env -i PATH="$WORK/venv/bin:/usr/bin:/bin" HOME="$WORK" PYTHONUNBUFFERED=1 \
+  celery -A tinyapp durable web --port "$PORT") >"$WORK/web.log" 2>&1 &
 WEB_PID=$!
 "$PYTHON" - "$PORT" "$WORK/web.log" <<'EOF'
 import sys, time, urllib.request
