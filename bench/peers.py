@@ -24,7 +24,9 @@ Each step does nothing but note its start (``bench.peers_work``); the third coun
 done in Redis. Per round, each measurement takes every system in turn (the order rotated each
 round): throughput (runs/s and CPU per run: every process of the system, its PostgreSQL
 backends and, for the Celery ones, the broker), latency at each ``--rates`` (start to first
-step, step to step), and keyed starts/s against a bare ``INSERT`` + ``COMMIT``. Medians over
+step, step to step) and, with one-step runs, at each ``--one-step-rates`` (start to first step at
+a rate whose three-step runs would be more than these cores can work: 500 a second on 2), and
+keyed starts/s against a bare ``INSERT`` + ``COMMIT``. Medians over
 rounds, ratios against plain Celery and durable's against each peer. bench/README.md says more.
 This prints figures; it is not a test.
 """
@@ -120,20 +122,23 @@ def one_round(
             f" (workers {cpu['workers']:.2f}, producer {cpu['producer']:.2f},"
             f" PostgreSQL {cpu['postgres']:.2f}, Redis {cpu['redis']:.2f})"
         )
-    for rate in opts["rates"]:
+    for rate, steps in opts["rates"]:
         for spec in order:
-            key = (spec.name, rate)
-            if capacity[spec.name] < rate and rate != opts["rates"][0]:
-                skipped = f"below {rate:g} runs/s in throughput ({capacity[spec.name]:.0f}/s)"
+            key = (spec.name, rate, steps)
+            shown = f"{rate:g}/s" + (" of one-step runs" if steps == 1 else "")
+            # A later rate above what the system worked in throughput (steps a second) is skipped.
+            if 3 * capacity[spec.name] < rate * steps and (rate, steps) != opts["rates"][0]:
+                skipped = f"below {rate * steps:g} steps/s in throughput ({3 * capacity[spec.name]:.0f}/s)"
                 results["latency"].setdefault(key, []).append({"skipped": skipped})
-                say(f"  {head}, latency at {rate:g}/s, {spec.label}: not run, {skipped}")
+                say(f"  {head}, latency at {shown}, {spec.label}: not run, {skipped}")
                 continue
-            row = phases.latency(ctx, running[spec.name], opts["latency_runs"], rate)
+            row = phases.latency(ctx, running[spec.name], opts["latency_runs"], rate, steps)
             results["latency"].setdefault(key, []).append(row)
+            between = f" step to step p50 {row['step_p50']:.1f} ms, p99 {row['step_p99']:.1f} ms;"
+            between = between if steps > 1 else ""
             say(
-                f"  {head}, latency at {rate:g}/s, {spec.label}: start to 1st step"
-                f" p50 {row['first_p50']:.1f} ms, p99 {row['first_p99']:.1f} ms; step to step"
-                f" p50 {row['step_p50']:.1f} ms, p99 {row['step_p99']:.1f} ms;"
+                f"  {head}, latency at {shown}, {spec.label}: start to 1st step"
+                f" p50 {row['first_p50']:.1f} ms, p99 {row['first_p99']:.1f} ms;{between}"
                 f" {row['achieved']:.0f} starts/s, {'kept up' if row['kept_up'] else 'BEHIND'}"
             )
     bare = phases.bare(ctx, opts["keyed"])
@@ -230,9 +235,17 @@ def run_bench(specs: list[Spec], opts: dict[str, Any]) -> None:
 )
 @click.option(
     "--rates",
-    default="50,500",
+    default="50",
     show_default=True,
-    help="Steady start rates (runs/s), comma-separated; a later one above a system's runs/s is skipped.",
+    help="Steady start rates of three-step runs (runs/s), comma-separated; a later one above a"
+    " system's runs/s is skipped.",
+)
+@click.option(
+    "--one-step-rates",
+    default="500",
+    show_default=True,
+    help="Steady start rates of one-step runs, comma-separated (empty: none); one above a system's"
+    " steps/s is skipped.",
 )
 @click.option(
     "--keyed",
@@ -283,7 +296,9 @@ def main(**opts: Any) -> None:
     """durable_celery, plain Celery chains, DBOS and procrastinate: runs/s, CPU/run, latency, keyed starts."""
     if opts.pop("quick"):
         opts.update(QUICK)
-    opts["rates"] = [float(rate) for rate in opts["rates"].split(",") if rate.strip()]
+    opts["rates"] = [(float(rate), 3) for rate in opts["rates"].split(",") if rate.strip()] + [
+        (float(rate), 1) for rate in opts.pop("one_step_rates").split(",") if rate.strip()
+    ]
     specs, skipped = choose(opts.pop("only"))
     if not specs:
         say("nothing to run")

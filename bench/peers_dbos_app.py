@@ -1,11 +1,12 @@
 """The DBOS side of ``bench.peers``: a workflow of three steps on a queue, and its workers.
 
 A run is ``peers_run(batch, i, t0, rec)``, a ``@DBOS.workflow`` calling three ``@DBOS.step``
-functions (each checkpointed). The producer enqueues it with ``DBOSClient.enqueue`` on the
-queue ``peers`` (a keyed start gives the key as the workflow ID, on ``peers_keyed``, which no
-worker reads). A worker process is ``serve(index)``: DBOS launched in the process, listening
-to ``peers`` only, with ``worker_concurrency`` workflows at a time and the queue polled every
-``BENCH_PEERS_DBOS_POLL`` seconds (the bench's ``--dbos-poll``; DBOS's own default is 1 s).
+functions (each checkpointed); a one-step run is ``peers_run1``. The producer enqueues it with
+``DBOSClient.enqueue`` on the queue ``peers`` (a keyed start gives the key as the workflow ID,
+on ``peers_keyed``, which no worker reads). A worker process is ``serve(index)``: DBOS launched
+in the process, listening to ``peers`` only, with ``worker_concurrency`` workflows at a time and
+the queue polled every ``BENCH_PEERS_DBOS_POLL`` seconds (the bench's ``--dbos-poll``; DBOS's
+own default is 1 s).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from bench import peers_work
 QUEUE = "peers"
 KEYED_QUEUE = "peers_keyed"
 WORKFLOW = "peers_run"
+WORKFLOW1 = "peers_run1"
 
 
 @DBOS.step(name="peers_step")
@@ -34,6 +36,18 @@ def peers_run(batch: str, i: int, t0: float, rec: int) -> None:
     """A run: three steps in turn."""
     for n in (1, 2, 3):
         step(batch, i, t0, rec, n)
+
+
+@DBOS.step(name="peers_only")
+def only_step(batch: str, i: int, t0: float, rec: int) -> None:
+    """The step of a one-step DBOS run."""
+    peers_work.only(batch, i, t0, rec)
+
+
+@DBOS.workflow(name=WORKFLOW1)
+def peers_run1(batch: str, i: int, t0: float, rec: int) -> None:
+    """A one-step run."""
+    only_step(batch, i, t0, rec)
 
 
 def serve(index: int, concurrency: int) -> None:

@@ -1,4 +1,5 @@
-"""The durable side of ``bench.peers``: a workflow of three steps, and one for keyed starts.
+"""The durable side of ``bench.peers``: a workflow of three steps, one of one step, and one for
+keyed starts.
 
 Run by ``celery -A bench.peers_durable_app worker -P prefork -c 2 -Q peers_durable`` with the
 defaults (inline continuation on, upkeep on, background publishing); the producer imports it
@@ -35,6 +36,11 @@ def _step(n: int, batch: str, i: int, t0: float, rec: int) -> None:
     peers_work.step(batch, i, t0, rec, n)
 
 
+def _only(batch: str, i: int, t0: float, rec: int) -> None:
+    """The step of a one-step durable run."""
+    peers_work.only(batch, i, t0, rec)
+
+
 def _nothing(**_: Any) -> None:
     """The one step of a keyed run (never worked in the bench)."""
 
@@ -42,6 +48,9 @@ def _nothing(**_: Any) -> None:
 run3 = durable.workflow("peers_run3")
 for _n in (1, 2, 3):
     run3.step(partial(_step, _n), name=f"s{_n}")
+
+run1 = durable.workflow("peers_run1")
+run1.step(_only, name="only")
 
 keyed = durable.workflow("peers_keyed", queue=KEYED_QUEUE)
 keyed.step(_nothing, name="only")

@@ -3,8 +3,9 @@
 - ``throughput``: the producer starts ``runs`` runs from ``threads`` threads at once; timed from
   the command to the last run's third step (the Redis counter of ``bench.peers_work``); CPU of
   every process of the system and of its PostgreSQL backends over that time (``peers_measure``).
-- ``latency``: the producer starts runs at a steady ``rate``; per run, from ``t0`` (taken just
-  before the start call) to its first step's start, and from each step's start to the next's.
+- ``latency``: the producer starts runs (of three steps, or one) at a steady ``rate``; per run,
+  from ``t0`` (taken just before the start call) to its first step's start, and from each step's
+  start to the next's.
 - ``keyed``: starts with a key each from one producer thread; against ``bare``, a single-row
   ``INSERT`` + ``COMMIT`` from this process (psycopg, autocommit off): the floor.
 """
@@ -97,11 +98,12 @@ def throughput(ctx: Context, run: Running, runs: int, threads: int) -> dict[str,
     return {"rate": runs / seconds, "seconds": seconds, "cpu": cpu}
 
 
-def latency(ctx: Context, run: Running, runs: int, rate: float) -> dict[str, Any]:
-    """Start-to-first-step and step-to-step p50/p99 (ms) at a steady start rate."""
+def latency(ctx: Context, run: Running, runs: int, rate: float, steps: int = 3) -> dict[str, Any]:
+    """Start-to-first-step and step-to-step p50/p99 (ms) at a steady start rate, of runs of
+    ``steps`` steps (3, or 1: no step to step)."""
     batch = uuid.uuid4().hex[:12]
     t0 = time.perf_counter()
-    answer = run.command(op="steady", batch=batch, runs=runs, rate=rate)
+    answer = run.command(op="steady", batch=batch, runs=runs, rate=rate, steps=steps)
     wait_done(ctx, run, batch, runs)
     drain = time.perf_counter() - t0 - answer["seconds"]
     times: dict[int, dict[int, float]] = {}  # run -> step -> when it began (-1000: t0)

@@ -1,4 +1,5 @@
-"""The plain Celery side of ``bench.peers``: one task, chained three times per run.
+"""The plain Celery side of ``bench.peers``: one task, chained three times per run (a one-step
+run is one task of its own).
 
 Run by ``celery -A bench.peers_plain_app worker -P prefork -c 2 -Q peers_plain``; the producer
 imports it for the app and sends ``chain(step(.., 1), step(.., 2), step(.., 3))`` of immutable
@@ -29,6 +30,12 @@ app.conf.update(
 def step(batch: str, i: int, t0: float, rec: int, n: int) -> None:
     """One step of a plain run."""
     peers_work.step(batch, i, t0, rec, n)
+
+
+@app.task(name="peers.only", ignore_result=True, acks_late=True)
+def only(batch: str, i: int, t0: float, rec: int) -> None:
+    """The task of a one-step run."""
+    peers_work.only(batch, i, t0, rec)
 
 
 @signals.worker_ready.connect

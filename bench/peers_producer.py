@@ -6,8 +6,9 @@ It reads one JSON command a line on stdin and answers each with one JSON line on
 ``peers-producer ``, so that what a library prints is told apart):
 
 - ``{"op": "burst", "batch": B, "runs": N, "threads": T}``: start N runs from T threads at once;
-- ``{"op": "steady", "batch": B, "runs": N, "rate": R}``: start N runs from one thread, one every
-  1/R seconds, each with ``t0 = time.time()`` taken just before its start call (``rec`` on);
+- ``{"op": "steady", "batch": B, "runs": N, "rate": R, "steps": S}``: start N runs (of S steps, 3
+  or 1) from one thread, one every 1/R seconds, each with ``t0 = time.time()`` taken just before
+  its start call (``rec`` on);
 - ``{"op": "keyed", "prefix": P, "count": N}``: N starts from one thread, each with a key of its
   own (``P-<n>``), on the system's unworked queue; answers the seconds, this process's CPU and
   the p50/p99 of a call;
@@ -39,8 +40,11 @@ class Plain:
 
         self.chain, self.app = chain, app
 
-    def start(self, batch: str, i: int, t0: float, rec: int) -> None:
-        """Send one chain."""
+    def start(self, batch: str, i: int, t0: float, rec: int, steps: int = 3) -> None:
+        """Send one chain (one task for a one-step run)."""
+        if steps == 1:
+            self.app.signature("peers.only", args=(batch, i, t0, rec)).apply_async()
+            return
         sigs = [
             self.app.signature("peers.step", args=(batch, i, t0, rec, n), immutable=True) for n in (1, 2, 3)
         ]
@@ -58,9 +62,10 @@ class Durable:
         self.mod = peers_durable_app
         self.published: dict[str, float] = {}
 
-    def start(self, batch: str, i: int, t0: float, rec: int) -> str:
+    def start(self, batch: str, i: int, t0: float, rec: int, steps: int = 3) -> str:
         """Start one run; returns its id."""
-        return self.mod.durable.start(self.mod.run3, {"batch": batch, "i": i, "t0": t0, "rec": rec})
+        workflow = self.mod.run1 if steps == 1 else self.mod.run3
+        return self.mod.durable.start(workflow, {"batch": batch, "i": i, "t0": t0, "rec": rec})
 
     def keyed(self, key: str, i: int) -> None:
         """Start one run with a key."""
@@ -92,15 +97,16 @@ class Dbos:
         """Make the client."""
         from dbos import DBOSClient
 
-        from bench.peers_dbos_app import KEYED_QUEUE, QUEUE, WORKFLOW
+        from bench.peers_dbos_app import KEYED_QUEUE, QUEUE, WORKFLOW, WORKFLOW1
 
         self.client = DBOSClient(system_database_url=os.environ["BENCH_PEERS_DB"])
         self.options = {"workflow_name": WORKFLOW, "queue_name": QUEUE}
+        self.options1 = {"workflow_name": WORKFLOW1, "queue_name": QUEUE}
         self.keyed_options = {"workflow_name": WORKFLOW, "queue_name": KEYED_QUEUE}
 
-    def start(self, batch: str, i: int, t0: float, rec: int) -> None:
+    def start(self, batch: str, i: int, t0: float, rec: int, steps: int = 3) -> None:
         """Enqueue one run."""
-        self.client.enqueue(self.options, batch, i, t0, rec)
+        self.client.enqueue(self.options1 if steps == 1 else self.options, batch, i, t0, rec)
 
     def keyed(self, key: str, i: int) -> None:
         """Enqueue one run whose workflow ID is the key."""
@@ -117,9 +123,9 @@ class Procrastinate:
         mod.app.open()
         self.mod = mod
 
-    def start(self, batch: str, i: int, t0: float, rec: int) -> None:
+    def start(self, batch: str, i: int, t0: float, rec: int, steps: int = 3) -> None:
         """Defer the first job of one run."""
-        self.mod.step1.defer(batch=batch, i=i, t0=t0, rec=rec)
+        (self.mod.only if steps == 1 else self.mod.step1).defer(batch=batch, i=i, t0=t0, rec=rec)
 
     def keyed(self, key: str, i: int) -> None:
         """Defer one job with a queueing lock."""
@@ -149,8 +155,9 @@ def burst(side: Any, batch: str, runs: int, threads: int) -> dict[str, Any]:
     return {}
 
 
-def steady(side: Any, batch: str, runs: int, rate: float) -> dict[str, Any]:
-    """Start ``runs`` runs one every ``1/rate`` seconds; returns how late the last call began.
+def steady(side: Any, batch: str, runs: int, rate: float, steps: int = 3) -> dict[str, Any]:
+    """Start ``runs`` runs (of ``steps`` steps: 3 or 1) one every ``1/rate`` seconds; returns how
+    late the last call began.
 
     Notes per run, as step ``0``, when its start call returned, and for durable, as step ``-1``,
     when its first step's message was published (the background publisher's send)."""
@@ -167,7 +174,7 @@ def steady(side: Any, batch: str, runs: int, rate: float) -> dict[str, Any]:
         else:
             late = max(late, -wait)
         t0 = time.time()
-        ident = side.start(batch, i, t0, 1)
+        ident = side.start(batch, i, t0, 1, steps)
         calls.append((i, t0, time.time(), ident))
     if hasattr(side, "trace"):
         side.settle()

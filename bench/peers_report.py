@@ -52,11 +52,11 @@ def throughput_table(specs: list[Spec], results: Results) -> None:
     )
 
 
-def latency_table(specs: list[Spec], results: Results, rate: float) -> None:
+def latency_table(specs: list[Spec], results: Results, rate: float, steps: int) -> None:
     """Start-to-first-step and step-to-step latency at one start rate."""
     rows = []
     for spec in specs:
-        rounds = results["latency"].get((spec.name, rate), [])
+        rounds = results["latency"].get((spec.name, rate, steps), [])
         measured = [row for row in rounds if "first_p50" in row]
         if not measured:
             skipped = next((row["skipped"] for row in rounds if "skipped" in row), None)
@@ -73,7 +73,7 @@ def latency_table(specs: list[Spec], results: Results, rate: float) -> None:
                 f"{_mid(measured, 'call_p50'):.1f}",
                 f"{_mid(sent, 'sent_p50'):.1f}" if sent else "-",
                 f"{_mid(measured, 'after_p50'):.1f}",
-                f"{_mid(measured, 'step_p50'):.1f} / {_mid(measured, 'step_p99'):.1f}",
+                f"{_mid(measured, 'step_p50'):.1f} / {_mid(measured, 'step_p99'):.1f}" if steps > 1 else "-",
                 f"{_mid(measured, 'achieved'):.0f}/s; {kept} of {len(measured)}",
             ]
         )
@@ -115,7 +115,7 @@ def keyed_table(specs: list[Spec], results: Results) -> None:
     _table(["keyed start", "starts/s", "vs bare", "call p50 ms", "p99 ms", "producer CPU ms/start"], rows)
 
 
-def ratios(specs: list[Spec], results: Results, rates: list[float]) -> None:
+def ratios(specs: list[Spec], results: Results, rates: list[tuple[float, int]]) -> None:
     """Durable against each other system: runs/s, CPU per run, latency, keyed starts."""
     ours = results["throughput"].get("durable")
     if not ours:
@@ -128,13 +128,14 @@ def ratios(specs: list[Spec], results: Results, rates: list[float]) -> None:
             f"runs/s {_x(_mid(ours, 'rate') / _mid(theirs, 'rate'))}",
             f"CPU per run {_x(_mid(ours, 'cpu', 'all') / _mid(theirs, 'cpu', 'all'))}",
         ]
-        for rate in rates:
-            a = [r for r in results["latency"].get(("durable", rate), []) if "first_p50" in r]
-            b = [r for r in results["latency"].get((spec.name, rate), []) if "first_p50" in r]
+        for rate, steps in rates:
+            a = [r for r in results["latency"].get(("durable", rate, steps), []) if "first_p50" in r]
+            b = [r for r in results["latency"].get((spec.name, rate, steps), []) if "first_p50" in r]
             if a and b:
                 parts.append(
-                    f"start to 1st step p50 at {rate:g}/s"
-                    f" {_mid(a, 'first_p50') - _mid(b, 'first_p50'):+.1f} ms"
+                    f"start to 1st step at {rate:g}/s{' (one step)' if steps == 1 else ''}"
+                    f" p50 {_x(_mid(a, 'first_p50') / _mid(b, 'first_p50'))},"
+                    f" p99 {_x(_mid(a, 'first_p99') / _mid(b, 'first_p99'))}"
                 )
         keyed = results["keyed"]
         if keyed.get(spec.name) and keyed.get("durable"):
@@ -144,7 +145,9 @@ def ratios(specs: list[Spec], results: Results, rates: list[float]) -> None:
         say(f"- durable vs {spec.label}: " + "; ".join(parts))
 
 
-def report(specs: list[Spec], results: Results, facts: dict[str, Any], rates: list[float]) -> None:
+def report(
+    specs: list[Spec], results: Results, facts: dict[str, Any], rates: list[tuple[float, int]]
+) -> None:
     """Print everything measured."""
     say("")
     say(
@@ -162,10 +165,14 @@ def report(specs: list[Spec], results: Results, facts: dict[str, Any], rates: li
         f" started from {facts['threads']} threads"
     )
     throughput_table(specs, results)
-    for rate in rates:
+    for rate, steps in rates:
         say("")
-        say(f"latency at a steady {rate:g} starts/s, {facts['latency_runs']} runs per system per round")
-        latency_table(specs, results, rate)
+        kind = "three-step" if steps == 3 else "one-step"
+        say(
+            f"latency at a steady {rate:g} starts/s of {kind} runs,"
+            f" {facts['latency_runs']} runs per system per round"
+        )
+        latency_table(specs, results, rate, steps)
     if results["bare"]:
         say("")
         say(f"keyed starts, one producer thread, {facts['keyed']} new keys per system per round")

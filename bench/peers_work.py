@@ -53,6 +53,12 @@ def step(batch: str, i: int, t0: float, rec: int, n: int) -> None:
         done(batch)
 
 
+def only(batch: str, i: int, t0: float, rec: int) -> None:
+    """The one step of a one-step run (the latency rounds at a high rate): step 1, then counted."""
+    step(batch, i, t0, rec, 1)
+    done(batch)
+
+
 def ready(name: str) -> None:
     """Tell the bench that a worker process of ``name`` is up."""
     client = redis.Redis.from_url(os.environ["BENCH_PEERS_REDIS"])
