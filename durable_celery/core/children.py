@@ -182,9 +182,10 @@ def _check_parent(conn: Connection, run: RunState) -> None:
     a finishing child's (its key, then its parent) and the two cannot deadlock.
     """
     parent = child_rows.parent_state_txn(conn, run.id)
-    fence = run._active.fence
-    if parent is None or parent.fence != fence or parent.status not in ("running", "compensating"):
-        reason = stop_reason(None if parent is None else parent.fence, fence)
+    fence, holder = run._active.fence, run._active.holder
+    held = parent is not None and (parent.fence, parent.locked_by) == (fence, holder)
+    if not held or parent.status not in ("running", "compensating"):
+        reason = stop_reason(parent, fence, holder)
         run._active.stop_reason = reason
         raise STOPS[reason]()
 

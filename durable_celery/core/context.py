@@ -66,7 +66,7 @@ class RunContext(RunState):
             raise InvalidArgument(f"set_progress takes at most {PROGRESS_BYTES} bytes of JSON, not {size}")
         db = self._active.engine.db
         with db.single() as conn:
-            answer_rows.set_progress(conn, self.id, self._active.fence, value)
+            answer_rows.set_progress(conn, self.id, self._active.fence, self._active.holder, value)
 
     def shutting_down(self) -> bool:
         """True once this worker is shutting down: a long step may stop early and ``snooze``

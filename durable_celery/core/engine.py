@@ -138,7 +138,8 @@ class Engine(AtomicSteps, StepWrites):
         self, workflow: Workflow, step: Step, row: Any, compensate: bool = False
     ) -> MessageResult:
         """Run a step (or compensation) of a run this worker has claimed, and record it."""
-        ctx = context_of(row, step, ActiveStep(self, row.id, row.fence, step.timeout, compensate))
+        active = ActiveStep(self, row.id, row.fence, row.locked_by, step.timeout, compensate)
+        ctx = context_of(row, step, active)
         started = self.db.utcnow()
         signals.step_started.send(
             sender=self.rt.sender,
@@ -210,10 +211,10 @@ class Engine(AtomicSteps, StepWrites):
     def beat(self, active: ActiveStep) -> str | None:
         """One heartbeat; returns None when fine, else 'cancelled' or 'fenced'."""
         with self.db.single() as conn:
-            if queries.heartbeat_run(self.db, conn, active.run_id, active.fence):
+            if queries.heartbeat_run(self.db, conn, active.run_id, active.fence, active.holder):
                 return None
-            fence = queries.run_fence(conn, active.run_id)
-        return stop_reason(fence, active.fence)
+            now = queries.run_hold(conn, active.run_id)
+        return stop_reason(now, active.fence, active.holder)
 
     def record_lost(
         self,
@@ -259,7 +260,7 @@ class Engine(AtomicSteps, StepWrites):
         if row is None:
             return "dropped"
         with self.db.begin() as conn:
-            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, 0)
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, row.locked_by, 0)
             if done:
                 details = {"step": row.step_name, "node": process_node(pid), "reason": reason}
                 activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
@@ -310,7 +311,9 @@ class Engine(AtomicSteps, StepWrites):
         go_on = continuation.go_on(self.shutting_down, status, run_values)  # claim the next step as well?
         recorded, fence_now = self._write(workflow, row, status, run_values, step_row, go_on, tx)
         if not recorded:
-            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence), node=worker)
+            return self._stopped(
+                workflow, step, row, stop_reason(fence_now, row.fence, row.locked_by), node=worker
+            )
         duration = (step_row["finished_at"] - started).total_seconds()
         finished = partial(
             signals.step_finished.send, sender=self.rt.sender, run_id=row.id, workflow=row.workflow,
@@ -372,19 +375,23 @@ class Engine(AtomicSteps, StepWrites):
         status = run_values.get("status", "compensating")
         recorded, fence_now = self._write(workflow, row, status, run_values, step_row, tx=tx)
         if not recorded:
-            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence), node=worker)
+            return self._stopped(
+                workflow, step, row, stop_reason(fence_now, row.fence, row.locked_by), node=worker
+            )
         then = partial(self._after_write, workflow, row, status, run_values)
         tx.on_commit(then) if tx is not None else then()
         return status
 
     def _park(self, workflow: Workflow, step: Step, row: Any, parked: Parked) -> str:
         with self.db.begin() as conn:
-            done = event_rows.park_txn(self.db, conn, row.id, row.fence, parked.name, parked.timeout)
+            done = event_rows.park_txn(
+                self.db, conn, row.id, row.fence, row.locked_by, parked.name, parked.timeout
+            )
             if done and parked.children:
                 child_rows.due_if_any_finished_txn(self.db, conn, row.id, parked.children)
-            fence_now = None if done else queries.run_fence(conn, row.id)
+            fence_now = None if done else queries.run_hold(conn, row.id)
         if not done:
-            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence, row.locked_by))
         return "waiting"
 
     def _definition_changed(self, workflow: Workflow, step: Step, row: Any, started: Any) -> str:
@@ -404,7 +411,7 @@ class Engine(AtomicSteps, StepWrites):
         values = {"status": "failed", "error": error, "finished_at": Clock(), "due_at": None, "losses": 0}
         recorded, fence_now = self._write(workflow, row, "failed", values, step_row)
         if not recorded:
-            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence, row.locked_by))
         self._after_write(workflow, row, "failed", values)
         return "definition_changed"
 
@@ -413,7 +420,7 @@ class Engine(AtomicSteps, StepWrites):
         for that node, without using an attempt (rollout.py)."""
         retry_in = self.rt.settings.missing_code_retry
         with self.db.begin() as conn:
-            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, retry_in)
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, row.locked_by, retry_in)
             if done:
                 details = {"step": row.step_name, "retry_in": retry_in}
                 activity_rows.record_txn(self.db, conn, "code_missing", row.id, row.workflow, None, details)
@@ -425,13 +432,13 @@ class Engine(AtomicSteps, StepWrites):
     ) -> str:
         """The grace period is over: give the run back, due now, for another worker."""
         with self.db.begin() as conn:
-            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, 0)
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, row.locked_by, 0)
             if done:
                 details = with_logs({"step": step.name, "node": self.node}, logs)
                 activity_rows.record_txn(self.db, conn, "handed_back", row.id, row.workflow, row.key, details)
-            fence_now = None if done else queries.run_fence(conn, row.id)
+            fence_now = None if done else queries.run_hold(conn, row.id)
         if not done:
-            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence, row.locked_by))
         log.warning("durable: worker shutting down; run %s step %s handed back", row.id, step.name)
         return "handed_back"
 
@@ -466,7 +473,7 @@ class Engine(AtomicSteps, StepWrites):
         self, workflow: Workflow, step: Step, row: Any, snoozed: Snoozed, logs: list[dict[str, Any]] | None
     ) -> str:
         with self.db.begin() as conn:
-            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, snoozed.seconds)
+            done = queries.hand_back_txn(self.db, conn, row.id, row.fence, row.locked_by, snoozed.seconds)
             if done:
                 activity_rows.record_txn(
                     self.db,
@@ -479,9 +486,9 @@ class Engine(AtomicSteps, StepWrites):
                         {"step": step.name, "seconds": snoozed.seconds, "reason": snoozed.reason}, logs
                     ),
                 )
-            fence_now = None if done else queries.run_fence(conn, row.id)
+            fence_now = None if done else queries.run_hold(conn, row.id)
         if not done:
-            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence))
+            return self._stopped(workflow, step, row, stop_reason(fence_now, row.fence, row.locked_by))
         return "snoozed"
 
     def _stopped(

@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import RunStopped
 
@@ -56,10 +56,15 @@ STOPS: dict[str, type[RunStopped]] = {
 }
 
 
-def stop_reason(fence_now: int | None, fence: int) -> str:
-    """Why a step may not go on: another worker took the run over (its fence moved on), or the
-    run ended under it (cancelled, timed out, deleted)."""
-    return "fenced" if fence_now is not None and fence_now != fence else "cancelled"
+def stop_reason(now: Any, fence: int, holder: str | None) -> str:
+    """Why a step may not go on, from the run's fence and ``locked_by`` ``now`` (None: no such
+    run): another worker took the run over (its fence moved on, or another holds it under the
+    same fence after a server crash lost this claim), or the run ended under it (cancelled,
+    timed out, deleted)."""
+    if now is None:
+        return "cancelled"
+    taken = now.fence != fence or (now.locked_by is not None and now.locked_by != holder)
+    return "fenced" if taken else "cancelled"
 
 
 class StepHost(Protocol):
@@ -85,12 +90,19 @@ class ActiveStep:
     """A step running on this process: its lock token, deadline and how to stop it."""
 
     def __init__(
-        self, engine: StepHost, run_id: str, fence: int, timeout: float | None, compensate: bool = False
+        self,
+        engine: StepHost,
+        run_id: str,
+        fence: int,
+        holder: str,
+        timeout: float | None,
+        compensate: bool = False,
     ) -> None:
         self.engine = engine
         self.compensate = compensate  # compensations are never stopped for a shutdown
         self.run_id = run_id
         self.fence = fence
+        self.holder = holder  # the claim's locked_by, checked with the fence by every write
         self.thread_id = threading.get_ident()
         self.deadline = time.monotonic() + timeout if timeout else None
         self.next_beat = time.monotonic() + engine.rt.settings.heartbeat_interval

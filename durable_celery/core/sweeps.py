@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection
 
 from .. import signals
-from ..store import activity_rows, child_rows, doctor_rows, queries
+from ..store import activity_rows, child_rows, doctor_rows, sweep_rows
 from . import queues
 from .control import after_commit, cancel
 from .keys import end_run_txn
@@ -42,13 +42,13 @@ def sweep_stale_once(rt: Runtime) -> tuple[list[str], list[str]]:
     handed_back: list[str] = []
     failed: list[str] = []
     with db.engine.connect() as conn:
-        stale = queries.stale_runs(db, conn, s.stale_lock_timeout, BATCH)
+        stale = sweep_rows.stale_runs(db, conn, s.stale_lock_timeout, BATCH)
     for run in stale:
         lost_for_good = run.losses + 1 >= s.max_losses
         fail_with = error if lost_for_good else None
 
         def take_back(conn: Connection, run: Any = run, fail_with: Any = fail_with) -> bool:
-            if not queries.take_back_stale_txn(db, conn, run, s.stale_lock_timeout, fail_with):
+            if not sweep_rows.take_back_stale_txn(db, conn, run, s.stale_lock_timeout, fail_with):
                 return False
             details = {"locked_by": run.locked_by, "losses": run.losses + 1, "failed": fail_with is not None}
             activity_rows.record_txn(db, conn, "stale_recovered", run.id, run.workflow, run.key, details)
@@ -99,7 +99,7 @@ def fail_overdue_once(rt: Runtime) -> list[str]:
     """Fail runs past their workflow timeout; returns their ids."""
     db = rt.db
     with db.engine.connect() as conn:
-        overdue = queries.overdue_runs(db, conn, BATCH)
+        overdue = sweep_rows.overdue_runs(db, conn, BATCH)
     failed = []
     for run in overdue:
         timeout = getattr(rt.registry.workflows.get(run.workflow), "timeout", None)
@@ -110,7 +110,7 @@ def fail_overdue_once(rt: Runtime) -> list[str]:
         }
 
         def fail(conn: Connection, run: Any = run, error: Any = error) -> bool:
-            return queries.fail_overdue_txn(db, conn, run.id, error)
+            return sweep_rows.fail_overdue_txn(db, conn, run.id, error)
 
         if _end(rt, run, "failed", fail):
             failed.append(run.id)

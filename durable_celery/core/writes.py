@@ -44,7 +44,7 @@ class StepWrites:
         step_row: dict[str, Any],
         go_on: queries.GoOn | None = None,
         tx: StepTransaction | None = None,
-    ) -> tuple[bool, int | None]:
+    ) -> tuple[bool, Any]:
         """Write the step's outcome and the run's next state: (recorded, fence if not); with
         ``go_on``, claim the next step too (continuation.py); with ``tx``, in an atomic step's
         transaction (an outage there is the transaction's: nothing of it is kept).
@@ -99,7 +99,7 @@ class StepWrites:
         step_row: dict[str, Any],
         go_on: queries.GoOn | None = None,
         tx: StepTransaction | None = None,
-    ) -> tuple[bool, int | None]:
+    ) -> tuple[bool, Any]:
         finishing = status in ENDED
         settled = None
         if tx is not None:
@@ -111,9 +111,11 @@ class StepWrites:
             return recorded, fence_now
         if self.db.is_postgres and not (finishing and (row.key or row.parent_id)):
             with self.db.single() as conn:  # one statement, committed on its own
-                written = queries.record_step(self.db, conn, row.id, row.fence, run_values, step_row, go_on)
+                written = queries.record_step(
+                    self.db, conn, row.id, row.fence, row.locked_by, run_values, step_row, go_on
+                )
                 recorded = written is not None
-                fence_now = None if recorded else queries.run_fence(conn, row.id)
+                fence_now = None if recorded else queries.run_hold(conn, row.id)
         else:
             with self.db.begin() as conn:
                 written, fence_now, settled = self._write_txn(
@@ -126,7 +128,7 @@ class StepWrites:
     def _write_txn(
         self, conn: Any, workflow: Workflow, row: Any, status: str, run_values: dict[str, Any],
         step_row: dict[str, Any], go_on: queries.GoOn | None,
-    ) -> tuple[Any, int | None, Any]:  # fmt: skip
+    ) -> tuple[Any, Any, Any]:  # fmt: skip
         """The record in ``conn``'s transaction: (the written row or None, the fence if not,
         what a finished run settled: its key's waiting run, its parent)."""
         settled, finishing = None, status in ENDED
@@ -134,8 +136,8 @@ class StepWrites:
         key_row = key_rows.key_of_holder_txn(conn, row.id) if finishing and row.key else None
         # One statement on PostgreSQL (an atomic step's transaction is in store/direct.py's reach).
         record = queries.record_step if self.db.is_postgres else queries.record_step_txn
-        written = record(self.db, conn, row.id, row.fence, run_values, step_row, go_on)
-        fence_now = None if written is not None else queries.run_fence(conn, row.id)
+        written = record(self.db, conn, row.id, row.fence, row.locked_by, run_values, step_row, go_on)
+        fence_now = None if written is not None else queries.run_hold(conn, row.id)
         if written is not None and key_row is not None:
             settled = settle_waiting_txn(self.rt, conn, key_row, status, workflow)
         if written is not None and finishing and row.parent_id is not None:

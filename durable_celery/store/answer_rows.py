@@ -22,7 +22,8 @@ def present_of(conn: Connection, run_ids: Sequence[str]) -> set[str]:
     return {row.id for row in conn.execute(select(runs.c.id).where(runs.c.id.in_(run_ids)))}
 
 
-def set_progress(conn: Connection, run_id: str, fence: int, value: Any) -> bool:
+def set_progress(conn: Connection, run_id: str, fence: int, holder: str, value: Any) -> bool:
     """Keep ``value`` as the run's progress, if the step telling it still holds the run."""
-    done = conn.execute(update(runs).where(runs.c.id == run_id, runs.c.fence == fence).values(progress=value))
+    held = (runs.c.id == run_id, runs.c.fence == fence, runs.c.locked_by == holder)
+    done = conn.execute(update(runs).where(*held).values(progress=value))
     return bool(done.rowcount)

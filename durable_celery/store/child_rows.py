@@ -36,9 +36,11 @@ def unfinished_children(conn: Connection, parent_id: str) -> Sequence[str]:
 
 
 def parent_state_txn(conn: Connection, parent_id: str) -> Any:
-    """The parent's status and fence, share-locked until the end of the transaction: a cancel
-    committed first is seen, and one coming after waits for the children started here."""
-    query = select(runs.c.status, runs.c.fence).where(runs.c.id == parent_id).with_for_update(read=True)
+    """The parent's status, fence and ``locked_by``, share-locked until the end of the
+    transaction: a cancel committed first is seen, and one coming after waits for the children
+    started here."""
+    columns = (runs.c.status, runs.c.fence, runs.c.locked_by)
+    query = select(*columns).where(runs.c.id == parent_id).with_for_update(read=True)
     return conn.execute(query).first()
 
 

@@ -69,7 +69,13 @@ def has_event_txn(conn: Connection, run_id: str, name: str) -> bool:
 
 
 def park_txn(
-    db: Database, conn: Connection, run_id: str, fence: int, name: str, until_seconds: float | None
+    db: Database,
+    conn: Connection,
+    run_id: str,
+    fence: int,
+    holder: str,
+    name: str,
+    until_seconds: float | None,
 ) -> bool:
     """Park a running step's run until event ``name`` (or the timeout); False if fenced out.
 
@@ -78,7 +84,12 @@ def park_txn(
     due = db.later(until_seconds) if until_seconds is not None else None
     parked = conn.execute(
         update(runs)
-        .where(runs.c.id == run_id, runs.c.fence == fence, runs.c.status == "running")
+        .where(
+            runs.c.id == run_id,
+            runs.c.fence == fence,
+            runs.c.locked_by == holder,
+            runs.c.status == "running",
+        )
         .values(
             status="waiting",
             wait_name=name,

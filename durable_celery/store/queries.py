@@ -56,6 +56,7 @@ _CLAIM_COLUMNS = (
     runs.c.wait_name,
     runs.c.trace_parent,
     runs.c.slot_key,  # the concurrency slot the step holds, freed when it ends (flow.py)
+    runs.c.locked_by,  # with the fence, what every write of the holder checks (_held_run_update)
 )
 
 _HOLDS_KEY = select(keys.c.holder_id).where(keys.c.holder_id == runs.c.id).exists().label("holds_key")
@@ -110,7 +111,13 @@ def claim_run(
     compensate: bool = False,
 ) -> Row[Any] | None:
     """Take the run for one step (or, with ``compensate``, one compensation) if it is due and
-    unlocked; bumps the fencing token. A compensating run keeps its status."""
+    unlocked; bumps the fencing token. A compensating run keeps its status.
+
+    Every later write of the holder checks the fence and ``locked_by`` (``_held_run_update``):
+    should the claim be lost while its worker runs the step (a failover to a standby that had
+    not received it), a worker that takes the run again under the same fence number is never
+    confused with the first.
+    """
 
     def build() -> Any:
         now = db.clock_expression("p_now", Clock())
@@ -155,7 +162,7 @@ def claim_run(
 
 def run_held_by(conn: Connection, run_id: str, node_prefix: str) -> Any:
     """The run, if a worker whose ``locked_by`` starts with ``node_prefix`` holds it."""
-    query = select(*_CLAIM_COLUMNS, runs.c.status, runs.c.locked_by, runs.c.heartbeat_at).where(
+    query = select(*_CLAIM_COLUMNS, runs.c.status, runs.c.heartbeat_at).where(
         runs.c.id == run_id,
         runs.c.status.in_(HELD),
         runs.c.locked_by.startswith(node_prefix, autoescape=True),
@@ -163,14 +170,14 @@ def run_held_by(conn: Connection, run_id: str, node_prefix: str) -> Any:
     return conn.execute(query).first()
 
 
-def heartbeat_run(db: Database, conn: Connection, run_id: str, fence: int) -> bool:
+def heartbeat_run(db: Database, conn: Connection, run_id: str, fence: int, holder: str) -> bool:
     """Refresh the lock of a running step; False when the run was cancelled or taken over."""
 
     def build() -> Any:
         now = db.clock_expression("p_now", Clock())
         return _held_run_update({"heartbeat_at": now})
 
-    params = {"p_id": run_id, "p_fence": fence, **db.clock_params({"p_now": Clock()})}
+    params = {"p_id": run_id, "p_fence": fence, "p_holder": holder, **db.clock_params({"p_now": Clock()})}
     return bool(conn.execute(db.statement("heartbeat", build), params).rowcount == 1)
 
 
@@ -179,15 +186,17 @@ _INSERT_STEP = insert(steps)
 
 def _held_run_update(set_values: dict[str, Any]) -> Any:
     """An UPDATE of the run a worker holds, matching only under the fence it claimed with and
-    while it is locked: a write tried again after its first try committed unanswered (an
-    outage) matches nothing, and the worker finds its step row instead (engine._write)."""
+    while it holds the lock (``p_holder``, its ``locked_by``): a write tried again after its
+    first try committed unanswered (an outage) matches nothing, and the worker finds its step
+    row instead (engine._write); so does the write of a worker whose claim was lost (see
+    ``claim_run``), even once another has taken the run under that fence."""
     return (
         update(runs)
         .where(
             runs.c.id == bindparam("p_id"),
             runs.c.fence == bindparam("p_fence"),
             one_of(runs.c.status, HELD),
-            runs.c.locked_by.is_not(None),
+            runs.c.locked_by == bindparam("p_holder"),
         )
         .values(**set_values)
     )
@@ -236,6 +245,7 @@ def record_step_txn(
     conn: Connection,
     run_id: str,
     fence: int,
+    holder: str,
     run_values: dict[str, Any],
     step_row: dict[str, Any],
     go_on: GoOn | None = None,
@@ -247,12 +257,11 @@ def record_step_txn(
     def build(set_values: dict[str, Any]) -> Any:
         if go_on is None:
             return _held_run_update(set_values).returning(runs.c.id)
-        return _held_run_update({**set_values, **_go_on_values(db)}).returning(
-            *_CLAIM_COLUMNS, runs.c.locked_by
-        )
+        return _held_run_update({**set_values, **_go_on_values(db)}).returning(*_CLAIM_COLUMNS)
 
     stmt, params = db.bind(("record", go_on is None), runs.c, values, build)
-    row = conn.execute(stmt, {"p_id": run_id, "p_fence": fence, **params, **_go_on_params(db, go_on)}).first()
+    held = {"p_id": run_id, "p_fence": fence, "p_holder": holder}
+    row = conn.execute(stmt, {**held, **params, **_go_on_params(db, go_on)}).first()
     if row is None:
         return None
     conn.execute(_INSERT_STEP, {"run_id": run_id, **step_row})
@@ -264,6 +273,7 @@ def record_step(
     conn: Connection,
     run_id: str,
     fence: int,
+    holder: str,
     run_values: dict[str, Any],
     step_row: dict[str, Any],
     go_on: GoOn | None = None,
@@ -278,7 +288,7 @@ def record_step(
             returned: tuple[Any, ...] = (runs.c.id,)
         else:
             set_values.update(_go_on_values(db))
-            returned = (*_CLAIM_COLUMNS, runs.c.locked_by)
+            returned = _CLAIM_COLUMNS
         recorded = _held_run_update(set_values).returning(*returned).cte("recorded")
         step_values = db.set_values("s_", steps.c, step_row)
         chosen = select(recorded.c.id, *(step_values[k] for k in step_keys)).select_from(recorded)
@@ -291,6 +301,7 @@ def record_step(
     params = {
         "p_id": run_id,
         "p_fence": fence,
+        "p_holder": holder,
         **db.values_params("r_", values),
         **db.values_params("s_", step_row),
         **_go_on_params(db, go_on),
@@ -312,11 +323,14 @@ def step_recorded(
     return conn.execute(query.limit(1)).first() is not None
 
 
-def hand_back_txn(db: Database, conn: Connection, run_id: str, fence: int, seconds: float) -> bool:
+def hand_back_txn(
+    db: Database, conn: Connection, run_id: str, fence: int, holder: str, seconds: float
+) -> bool:
     """Give up a held run without recording a step: due again in ``seconds``, same attempt."""
     values = {"locked_by": None, "heartbeat_at": None, "due_at": Clock(seconds), "published": False}
     stmt, params = db.bind("hand_back", runs.c, values, _held_run_update)
-    return bool(conn.execute(stmt, {"p_id": run_id, "p_fence": fence, **params}).rowcount == 1)
+    held = {"p_id": run_id, "p_fence": fence, "p_holder": holder}
+    return bool(conn.execute(stmt, {**held, **params}).rowcount == 1)
 
 
 def pending_inputs(conn: Connection, prefix: str, limit: int, workflow: str | None) -> Sequence[Any]:
@@ -438,99 +452,9 @@ def mark_unsent(conn: Connection, run_ids: Sequence[str]) -> None:
     )
 
 
-def stale_runs(db: Database, conn: Connection, stale_after: float, limit: int) -> Sequence[Any]:
-    """Runs locked by a worker that has not heart-beaten for ``stale_after`` seconds."""
-    query = (
-        select(
-            runs.c.id,
-            runs.c.workflow,
-            runs.c.key,
-            runs.c.fence,
-            runs.c.losses,
-            runs.c.status,
-            runs.c.parent_id,
-            runs.c.locked_by,
-        )
-        .where(
-            runs.c.locked_by.is_not(None),
-            runs.c.heartbeat_at < db.later(-stale_after),
-            runs.c.status.in_(HELD),
-        )
-        .limit(limit)
-    )
-    return conn.execute(query).all()
-
-
-def take_back_stale_txn(
-    db: Database, conn: Connection, run: Any, stale_after: float, fail_with: dict[str, Any] | None
-) -> bool:
-    """Hand a stale run back (or fail it with ``fail_with``), fencing out the lost worker.
-
-    Conditional on the lock still being the stale one, so only one node wins.
-    """
-    values: dict[str, Any] = {
-        "locked_by": None,
-        "heartbeat_at": None,
-        "fence": runs.c.fence + 1,
-        "losses": runs.c.losses + 1,
-    }
-    if fail_with is None:
-        values.update(due_at=db.now(), published=False)
-    else:
-        status = "compensation_failed" if run.status == "compensating" else "failed"
-        values.update(status=status, error=fail_with, finished_at=db.now(), due_at=None)
-    query = (
-        update(runs)
-        .where(
-            runs.c.id == run.id,
-            runs.c.fence == run.fence,
-            runs.c.locked_by.is_not(None),
-            runs.c.heartbeat_at < db.later(-stale_after),
-        )
-        .values(**values)
-    )
-    return bool(conn.execute(query).rowcount == 1)
-
-
-def overdue_runs(db: Database, conn: Connection, limit: int) -> Sequence[Any]:
-    """Unfinished runs past their workflow timeout."""
-    query = (
-        select(runs.c.id, runs.c.workflow, runs.c.key, runs.c.parent_id)
-        .where(
-            runs.c.deadline_at < db.now(),
-            runs.c.finished_at.is_(None),
-            runs.c.status.in_(("pending", "running", "waiting")),
-        )
-        .limit(limit)
-    )
-    return conn.execute(query).all()
-
-
-def fail_overdue_txn(db: Database, conn: Connection, run_id: str, error: dict[str, Any]) -> bool:
-    """Fail a run past its workflow timeout (if it still is); a running step stops at its next
-    heartbeat and cannot record."""
-    query = (
-        update(runs)
-        .where(
-            runs.c.id == run_id,
-            runs.c.deadline_at < db.now(),
-            runs.c.status.in_(("pending", "running", "waiting")),
-        )
-        .values(
-            status="failed",
-            error=error,
-            finished_at=db.now(),
-            due_at=None,
-            locked_by=None,
-            heartbeat_at=None,
-        )
-    )
-    return bool(conn.execute(query).rowcount == 1)
-
-
-def run_fence(conn: Connection, run_id: str) -> int | None:
-    """The fencing token of one run, or None when there is no such run."""
-    return conn.execute(select(runs.c.fence).where(runs.c.id == run_id)).scalar()
+def run_hold(conn: Connection, run_id: str) -> Any:
+    """The fencing token and ``locked_by`` of one run, or None when there is no such run."""
+    return conn.execute(select(runs.c.fence, runs.c.locked_by).where(runs.c.id == run_id)).first()
 
 
 def count_runs_by_status(conn: Connection) -> dict[tuple[str, str], int]:

@@ -263,7 +263,7 @@ def test_an_inline_step_is_fenced_like_a_published_one(make_durable):
         assert held.step_index == 1 and held.fence == 2  # claimed twice: s0, then s1 inline
         # The first step's stale holder (fence 1) can no longer write anything.
         with durable.db.begin() as conn:
-            assert not queries.heartbeat_run(durable.db, conn, run_id, 1)
+            assert not queries.heartbeat_run(durable.db, conn, run_id, 1, held.locked_by)
         release.set()
         assert wait_for(durable, run_id).output == 2
 

@@ -413,7 +413,7 @@ def test_an_event_sent_while_the_step_parks_on_it_is_never_missed(durable, seen)
         with durable.db.engine.begin() as conn:
             if lock_timeout_ms is not None:
                 conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{lock_timeout_ms}ms'")
-            return event_rows.park_txn(durable.db, conn, run_id, 7, "paid", None)
+            return event_rows.park_txn(durable.db, conn, run_id, 7, "worker-a", "paid", None)
 
     def park_meanwhile(conn, cursor, statement, parameters, context, executemany):
         if tried or threading.get_ident() != sender or "SET due_at" not in statement:

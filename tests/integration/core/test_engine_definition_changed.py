@@ -159,9 +159,9 @@ def test_a_renamed_step_whose_hand_back_finds_the_run_gone_is_dropped(make_durab
     elsewhere.register()
     original = queries.hand_back_txn
 
-    def cancelled_first(db: Any, conn: Any, rid: str, fence: int, seconds: float) -> bool:
+    def cancelled_first(db: Any, conn: Any, rid: str, fence: int, holder: str, seconds: float) -> bool:
         conn.execute(update(runs).where(runs.c.id == rid).values(fence=runs.c.fence + 1))
-        return original(db, conn, rid, fence, seconds)
+        return original(db, conn, rid, fence, holder, seconds)
 
     queries.hand_back_txn = cancelled_first
     try:

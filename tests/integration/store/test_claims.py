@@ -175,11 +175,12 @@ def test_a_hand_back_frees_the_run_for_the_relay_later_only_under_its_fence(dura
     held = {"status": "running", "fence": 3, "locked_by": "w:1:1", "heartbeat_at": ago(durable, 1)}
     set_run(durable, run_id, published=True, **held)
     with durable.db.begin() as conn:
-        assert queries.hand_back_txn(durable.db, conn, run_id, 2, 30) is False  # fenced out
+        assert queries.hand_back_txn(durable.db, conn, run_id, 2, "w:1:1", 30) is False  # fenced out
     assert (run_row(durable, run_id).locked_by, run_row(durable, run_id).published) == ("w:1:1", True)
     before = durable.db.utcnow()
     with durable.db.begin() as conn:
-        assert queries.hand_back_txn(durable.db, conn, run_id, 3, 30) is True
+        assert queries.hand_back_txn(durable.db, conn, run_id, 3, "w:2:1", 30) is False  # not its holder
+        assert queries.hand_back_txn(durable.db, conn, run_id, 3, "w:1:1", 30) is True
     row = run_row(durable, run_id)
     assert (row.status, row.fence, row.attempt) == ("running", 3, 1)  # the same attempt, unrecorded
     assert (row.locked_by, row.heartbeat_at, row.published) == (None, None, False)  # the relay sends it
@@ -193,10 +194,11 @@ def test_a_heartbeat_moves_the_lock_s_time_forward_only_under_its_fence(durable)
     old = ago(durable, 120)
     set_run(durable, run_id, status="running", fence=4, locked_by="w:1:1", heartbeat_at=old)
     with durable.db.begin() as conn:
-        assert queries.heartbeat_run(durable.db, conn, run_id, 3) is False  # fenced out
+        assert queries.heartbeat_run(durable.db, conn, run_id, 3, "w:1:1") is False  # fenced out
+        assert queries.heartbeat_run(durable.db, conn, run_id, 4, "w:2:1") is False  # not its holder
     before = run_row(durable, run_id).heartbeat_at  # untouched by the fenced-out beat
     with durable.db.begin() as conn:
-        assert queries.heartbeat_run(durable.db, conn, run_id, 4) is True
+        assert queries.heartbeat_run(durable.db, conn, run_id, 4, "w:1:1") is True
     after = run_row(durable, run_id).heartbeat_at
     assert after is not None and after - before >= timedelta(seconds=119)
 
@@ -258,7 +260,9 @@ def test_records_with_and_without_a_continuation_each_keep_their_own_statement(d
         for run_id, go_on in ((first, None), (second, queries.GoOn("w:1:1", "celery"))):
             held = queries.claim_run(durable.db, conn, run_id, 0, "w:1:1")
             rows.append(
-                queries.record_step_txn(durable.db, conn, run_id, held.fence, values, step_row(run_id), go_on)
+                queries.record_step_txn(
+                    durable.db, conn, run_id, held.fence, held.locked_by, values, step_row(run_id), go_on
+                )
             )
     assert rows[0] is not None and rows[1].locked_by == "w:1:1" and rows[1].step_name == "second"
     assert run_row(durable, first).locked_by is None  # recorded, left for the next message
