@@ -70,6 +70,11 @@ class RecordingOutbox:
         """Never eager: recorded messages run nowhere."""
         return False
 
+    @property
+    def sends_ahead(self) -> bool:
+        """Never ahead: a message is recorded once its start committed."""
+        return False
+
     def send(
         self,
         workflow: Workflow,

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("durable_celery")
 
 _HOST = socket.gethostname()
+# A first step's message whose run is not there yet: looked for again after these pauses (its
+# start's INSERT on its way), then dropped; a run that exists never waits on them.
+START_PAUSES = (0.005, 0.05)
 
 
 def process_node(pid: int) -> str:
@@ -120,6 +123,8 @@ class Engine(AtomicSteps, StepWrites):
                 row = queries.claim_run(
                     self.db, conn, run_id, step.index, node, workflow.timeout, compensate=compensate
                 )
+            if row is None and step.index == 0 and not compensate and self.db.is_postgres:
+                row = self._claim_after_start(workflow, run_id, node)
         if row is None:
             log.debug("durable: dropped message for run %s step %s", run_id, step.name)
             return MessageResult("dropped")
@@ -127,6 +132,18 @@ class Engine(AtomicSteps, StepWrites):
         if not compensate:
             self._free_slot(workflow, row, result)
         return result
+
+    def _claim_after_start(self, workflow: Workflow, run_id: str, node: str) -> Any:
+        """Claim the first step of a run whose message may have come before its start committed
+        (a start sends it ahead: keys.start_run): wait for the start, then claim again. A run
+        that does not exist yet is looked for again after each of ``START_PAUSES`` (its start's
+        INSERT may not have reached the database); then its message is dropped."""
+        for pause in (0.0, *START_PAUSES):
+            time.sleep(pause)
+            with self.db.single() as conn:
+                if queries.await_start(conn, run_id):
+                    return queries.claim_run(self.db, conn, run_id, 0, node, workflow.timeout)
+        return None
 
     def _free_slot(self, workflow: Workflow, row: Any, result: MessageResult) -> None:
         """The step's concurrency slot is free (unless its run went on inline): wake the run

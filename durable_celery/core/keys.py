@@ -21,7 +21,7 @@ from ..inputs import same_json
 from ..store import activity_rows, child_rows, event_rows, key_rows, queries
 from ..store.schema import UNFINISHED
 from . import batches
-from .flow import admit_start_txn, starts_in_transaction
+from .flow import admit_start_txn, limited, starts_in_transaction
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -335,8 +335,14 @@ def start_run(
             return decide_start_txn(rt, conn, workflow, run, policy, fold=fold)
     with db.single() as conn:
         if run["key"] is None:
-            queries.insert_run_txn(db, conn, run)
-            return _created(workflow, run)
+            if not (run["published"] and rt.outbox.sends_ahead and not limited(workflow)):
+                queries.insert_run_txn(db, conn, run)
+                return _created(workflow, run)
+            # The first step's message goes out while the row commits (a worker that finds no
+            # run yet waits on the start's lock: queries.await_start).
+            sent: list[bool] = []
+            queries.insert_run_txn(db, conn, run, sent=lambda: sent.append(_send_ahead(rt, workflow, run)))
+            return _created(workflow, run, published=sent[0])
         if policy == "use_existing" and not workflow.debounce:
             created, holder_id = key_rows.start_or_answer(db, conn, run, dropped_input(run["input"]))
             if created:
@@ -360,9 +366,14 @@ def _parked_at_start(run: dict[str, Any]) -> list[tuple[str, str]]:
     return [(run["workflow"], run["slot_key"])] if run.get("flow_wait") is not None else []
 
 
-def _created(workflow: Workflow, run: dict[str, Any]) -> Decision:
+def _send_ahead(rt: Runtime, workflow: Workflow, run: dict[str, Any]) -> bool:
+    return rt.outbox.send_named(workflow.name or "", run["id"], 0, 1, None, soon=True)
+
+
+def _created(workflow: Workflow, run: dict[str, Any], published: bool = False) -> Decision:
+    """A new run's decision; ``published``: its first step's message has gone already."""
     decision = Decision(run["id"], created=True, parked=_parked_at_start(run))
-    if run["published"]:
+    if run["published"] and not published:
         decision.publish.append((workflow.name or "", run["id"], 0, 1, run["key"]))
     decision.notices.append(
         (signals.run_started, {"run_id": run["id"], "workflow": workflow.name, "key": run["key"]})

@@ -29,6 +29,12 @@ class Outbox(Protocol):
         """``start()`` runs the run's steps in the calling thread (``task_always_eager``)."""
         ...
 
+    @property
+    def sends_ahead(self) -> bool:
+        """A start may hand its first step's message over before its row commits: the
+        background publisher sends it once the caller waits on the database."""
+        ...
+
     def send(
         self,
         workflow: Workflow,

@@ -83,18 +83,31 @@ def _row_class(names: tuple[str, ...]) -> Any:
 _compiled: weakref.WeakKeyDictionary[Any, Compiled | None] = weakref.WeakKeyDictionary()
 
 
-def first(db: Any, conn: Connection, stmt: Any, values: dict[str, Any]) -> Any:
+def first(
+    db: Any, conn: Connection, stmt: Any, values: dict[str, Any], sent: Callable[[], None] | None = None
+) -> Any:
     """``conn.execute(stmt, values).first()`` (None for a statement that returns no rows), run
-    on psycopg directly where it can be."""
+    on psycopg directly where it can be.
+
+    ``sent``: called once the statement is on its way to the server and before it commits (in
+    psycopg's pipeline mode, whose Sync ends the statement's transaction); on SQLAlchemy's path,
+    just before the statement."""
     compiled = _direct(db, conn, stmt)
     if compiled is None:
+        if sent is not None:
+            sent()
         result = conn.execute(stmt, values)
         return result.first() if result.returns_rows else None
     params = compiled.params(values)
     driver: Any = conn.connection.dbapi_connection
     try:
         with driver.cursor() as cursor:
-            cursor.execute(compiled.sql, params)
+            if sent is None:
+                cursor.execute(compiled.sql, params)
+            else:
+                with driver.pipeline():
+                    cursor.execute(compiled.sql, params)
+                    sent()
             found = cursor.fetchone() if compiled.results else None
             return None if found is None else compiled.make_row(cursor, found)
     except psycopg.Error as exc:

@@ -5,7 +5,7 @@ Functions named ``*_txn`` run inside the caller's transaction (``conn``); the ca
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -14,9 +14,11 @@ from sqlalchemy import (
     DateTime,
     Interval,
     Row,
+    Text,
     and_,
     bindparam,
     case,
+    cast,
     exists,
     func,
     insert,
@@ -62,10 +64,43 @@ _CLAIM_COLUMNS = (
 _HOLDS_KEY = select(keys.c.holder_id).where(keys.c.holder_id == runs.c.id).exists().label("holds_key")
 
 
-def insert_run_txn(db: Database, conn: Connection, values: dict[str, Any]) -> None:
-    """Insert one run row (Clock values are times on the database's clock)."""
-    stmt, params = db.bind("insert_run", runs.c, values, lambda sv: insert(runs).values(**sv))
-    direct.first(db, conn, stmt, params)
+def insert_run_txn(
+    db: Database, conn: Connection, values: dict[str, Any], sent: Callable[[], None] | None = None
+) -> None:
+    """Insert one run row (Clock values are times on the database's clock).
+
+    ``sent`` (PostgreSQL, a :meth:`Database.single` connection): called once the INSERT is on its
+    way and before it commits (a start hands over its first step's message there). The INSERT
+    holds the run's start lock until it commits, which a worker holding that message waits on
+    (``await_start``) when it finds no run yet."""
+    if sent is None:
+        stmt, params = db.bind("insert_run", runs.c, values, lambda sv: insert(runs).values(**sv))
+        direct.first(db, conn, stmt, params)
+        return
+
+    def build(sv: dict[str, Any]) -> Any:
+        # pg_advisory_xact_lock gives void, which casts to '': the id is unchanged.
+        return insert(runs).values(**{**sv, "id": sv["id"] + _start_lock(sv["id"], shared=False)})
+
+    stmt, params = db.bind("insert_run_sent", runs.c, values, build)
+    direct.first(db, conn, stmt, params, sent=sent)
+
+
+def await_start(conn: Connection, run_id: str) -> bool:
+    """Wait until a start holding the run's start lock (``insert_run_txn`` with ``sent``) has
+    committed or failed, then say whether the run exists. Two statements on an autocommit
+    connection: the second sees what committed while the first waited."""
+    conn.execute(select(_start_lock(bindparam("p_id"), shared=True)), {"p_id": run_id})
+    return conn.execute(select(runs.c.id).where(runs.c.id == run_id)).first() is not None
+
+
+# The first key of the start locks (two-key advisory locks; the second is the run id's hash).
+START_LOCK = 0x64635354
+
+
+def _start_lock(run_id: Any, shared: bool) -> Any:
+    lock = func.pg_advisory_xact_lock_shared if shared else func.pg_advisory_xact_lock
+    return cast(lock(START_LOCK, func.hashtext(run_id)), Text)
 
 
 def fetch_run(conn: Connection, run_id: str, lock: bool = False) -> Row[Any] | None:

@@ -31,6 +31,12 @@ class CeleryOutbox:
         """``start()`` runs the run's steps in the calling thread (``task_always_eager``)."""
         return bool(self.app.conf.task_always_eager)
 
+    @property
+    def sends_ahead(self) -> bool:
+        """A start may hand its first step's message over before its row commits: when messages
+        go from the background publisher, and are sent at all."""
+        return self.settings.publish_in_background and not (self.inline or self.eager)
+
     def send_named(
         self, workflow: str, run_id: str, step_index: int, attempt: int, key: str | None, soon: bool = False
     ) -> bool:
