@@ -25,6 +25,7 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    text,
     update,
 )
 
@@ -96,6 +97,10 @@ def await_start(conn: Connection, run_id: str) -> bool:
 
 # The first key of the start locks (two-key advisory locks; the second is the run id's hash).
 START_LOCK = 0x64635354
+_AWAIT_STARTS = text(
+    "SELECT count(pg_advisory_xact_lock_shared(:lock, hashtext(id)))"
+    " FROM unnest(CAST(:ids AS text[])) AS t(id)"
+)
 
 
 def _start_lock(run_id: Any, shared: bool) -> Any:
@@ -480,8 +485,14 @@ def mark_relayed_txn(db: Database, conn: Connection, rows: Sequence[dict[str, An
     conn.execute(query, params)
 
 
-def mark_unsent(conn: Connection, run_ids: Sequence[str]) -> None:
-    """Flag runs whose message could not be sent, so the relay sends it at its next pass."""
+def mark_unsent(conn: Connection, run_ids: Sequence[str], after_starts: bool = False) -> None:
+    """Flag runs whose message could not be sent, so the relay sends it at its next pass.
+
+    ``after_starts`` (the publisher's refusals): first wait for the starts of these runs that
+    may not have committed yet (a start sends its message ahead, ``insert_run_txn``), so that the
+    flag is not lost on a row this statement could not see yet."""
+    if after_starts and conn.dialect.name == "postgresql":
+        conn.execute(_AWAIT_STARTS, {"lock": START_LOCK, "ids": list(run_ids)})
     conn.execute(
         update(runs).where(runs.c.id.in_(list(run_ids)), runs.c.published.is_(True)).values(published=False)
     )

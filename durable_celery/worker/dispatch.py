@@ -100,7 +100,7 @@ class CeleryOutbox:
     def flag_unsent(self, run_ids: Sequence[str]) -> None:
         """Mark runs whose message could not be sent: the relay sends them."""
         with self.db.begin() as conn:
-            queries.mark_unsent(conn, run_ids)
+            queries.mark_unsent(conn, run_ids, after_starts=True)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message queued here is sent (or flagged); False on time-out."""

@@ -1,10 +1,11 @@
 """Sending step messages: now (``send_now``), or soon from a background thread (``send_soon``).
 
 A start commits its run with ``published=true`` and ``due_at`` set, then hands the first step's
-message to this process's ``Publisher``. Its thread sends whatever has queued up since its last
-pass in one kombu publish batch (one producer it holds, one Redis pipeline; while starts come
-faster than one a millisecond it waits for a few more, never over ``publish_linger``), so a caller
-pays for an append to a list instead of building and sending a Celery message.
+message to this process's ``Publisher`` (a start without a key on PostgreSQL, while its INSERT
+commits: keys.start_run). Its thread sends whatever has queued up since its last pass in one
+kombu publish batch (one producer it holds, one Redis pipeline; while starts come faster than one
+a millisecond it waits for a few more, never over ``publish_linger``), so a caller pays for an
+append to a list instead of building and sending a Celery message.
 
 The caller never waits for the broker: ``send_soon`` appends and, for the first message,
 starts the thread; the connection is made from that thread, so a start returns in microseconds

@@ -111,3 +111,24 @@ def test_a_keyed_start_sends_after_its_commit(durable, monkeypatch):
     monkeypatch.setattr(durable.outbox, "send_named", send_named)
     durable.start(wf, {"n": 1}, key="k1")  # its key may answer with another run: no message ahead
     assert committed == [True]
+
+
+def test_a_message_refused_before_its_start_committed_still_leaves_the_run_to_the_relay(durable, monkeypatch):
+    wf = durable.workflow("ahead_refused")
+    wf.step(lambda **_: None, name="only")
+    flagging: list[threading.Thread] = []
+
+    def send_named(workflow: str, run_id: str, *_: Any, **__: Any) -> bool:
+        # The broker refused the message at once: the publisher flags the run for the relay.
+        flagging.append(threading.Thread(target=durable.outbox.flag_unsent, args=([run_id],), daemon=True))
+        flagging[0].start()
+        until(lambda: waiting_on_a_start(durable))
+        return True
+
+    monkeypatch.setattr(durable.outbox, "send_named", send_named)
+    run_id = durable.start(wf, {"n": 1})
+    flagging[0].join(WAIT)
+    assert not flagging[0].is_alive()
+    with durable.db.engine.connect() as conn:
+        published = conn.execute(text("SELECT published FROM durable_runs WHERE id = :id"), {"id": run_id})
+        assert published.scalar() is False  # the relay sends it at its next pass
