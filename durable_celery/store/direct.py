@@ -105,13 +105,31 @@ def first(
             if sent is None:
                 cursor.execute(compiled.sql, params)
             else:
-                with driver.pipeline():
-                    cursor.execute(compiled.sql, params)
-                    sent()
+                _pipelined(driver, cursor, compiled.sql, params, sent)
             found = cursor.fetchone() if compiled.results else None
             return None if found is None else compiled.make_row(cursor, found)
     except psycopg.Error as exc:
         raise _translated(db, conn, compiled.sql, exc) from exc
+
+
+def _pipelined(driver: Any, cursor: Any, sql: str, params: dict[str, Any], sent: Callable[[], None]) -> None:
+    """Run one statement in pipeline mode, calling ``sent`` between its send and its Sync (which
+    ends its transaction). A statement that failed raises its own error once the pipeline ended
+    (ending it on a lost connection fails too, and psycopg would log that second error)."""
+    failed: psycopg.Error | None = None
+    try:
+        with driver.pipeline():
+            try:
+                cursor.execute(sql, params)
+            except psycopg.Error as exc:
+                failed = exc
+            else:
+                sent()
+    except psycopg.Error:
+        if failed is None:
+            raise
+    if failed is not None:
+        raise failed
 
 
 def _direct(db: Any, conn: Connection, stmt: Any) -> Compiled | None:

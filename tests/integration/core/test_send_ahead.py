@@ -8,14 +8,17 @@ thread is seen in PostgreSQL's lock table waiting on the start."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import func, select, text
 
+from durable_celery.errors import DatabaseUnavailable
 from durable_celery.store.queries import START_LOCK
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("backend", ["postgres"])]
@@ -132,3 +135,20 @@ def test_a_message_refused_before_its_start_committed_still_leaves_the_run_to_th
     with durable.db.engine.connect() as conn:
         published = conn.execute(text("SELECT published FROM durable_runs WHERE id = :id"), {"id": run_id})
         assert published.scalar() is False  # the relay sends it at its next pass
+
+
+def test_a_start_that_loses_its_connection_raises_database_unavailable_and_nothing_else(durable, caplog):
+    wf = durable.workflow("ahead_cut_off")
+    wf.step(lambda **_: None, name="only")
+    durable.start(wf, {"n": 0})  # the pool holds connections used a moment ago (not pinged again)
+    cut = text(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    url = durable.db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url, autocommit=True) as admin:  # not one of the pool's
+        assert admin.execute(str(cut)).fetchone()[0] >= 1
+    caplog.set_level(logging.WARNING, logger="psycopg")
+    with pytest.raises(DatabaseUnavailable):
+        durable.start(wf, {"n": 1})
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("psycopg")] == []
