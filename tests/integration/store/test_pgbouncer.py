@@ -110,7 +110,10 @@ def test_runs_keys_waits_and_children_work_through_a_transaction_mode_pgbouncer(
     with worker(durable, concurrency=4):
         ids = [durable.start(wf, {"n": n}) for n in range(12)]  # more runs than pooled servers
         assert durable.start(wf, {"n": 3}) == ids[3]  # a duplicate, answered by the holder
+        # Without a key: its INSERT goes in pipeline mode, the message sent before the Sync.
+        loose = [durable.start(child, {"n": n}) for n in range(8)]
         runs = [wait_for(durable, run_id, timeout=60) for run_id in ids]
+        assert [wait_for(durable, run_id, timeout=60).output for run_id in loose] == [n * 2 for n in range(8)]
     assert [r.output for r in runs] == [n * 2 for n in range(12)]
     assert all(r.status == "completed" for r in runs)
     durable.db.dispose()
