@@ -141,8 +141,10 @@ class Engine(AtomicSteps, StepWrites):
         for pause in (0.0, *START_PAUSES):
             time.sleep(pause)
             with self.db.single() as conn:
-                if queries.await_start(conn, run_id):
-                    return queries.claim_run(self.db, conn, run_id, 0, node, workflow.timeout)
+                queries.await_start(conn, run_id)
+                row = queries.claim_run(self.db, conn, run_id, 0, node, workflow.timeout)
+                if row is not None or queries.run_hold(conn, run_id) is not None:
+                    return row  # claimed, or a run that exists and is not claimable
         return None
 
     def _free_slot(self, workflow: Workflow, row: Any, result: MessageResult) -> None:

@@ -87,12 +87,10 @@ def insert_run_txn(
     direct.first(db, conn, stmt, params, sent=sent)
 
 
-def await_start(conn: Connection, run_id: str) -> bool:
+def await_start(conn: Connection, run_id: str) -> None:
     """Wait until a start holding the run's start lock (``insert_run_txn`` with ``sent``) has
-    committed or failed, then say whether the run exists. Two statements on an autocommit
-    connection: the second sees what committed while the first waited."""
+    committed or failed. On an autocommit connection the next statement sees what committed."""
     conn.execute(select(_start_lock(bindparam("p_id"), shared=True)), {"p_id": run_id})
-    return conn.execute(select(runs.c.id).where(runs.c.id == run_id)).first() is not None
 
 
 # The first key of the start locks (two-key advisory locks; the second is the run id's hash).
