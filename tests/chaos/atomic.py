@@ -44,6 +44,7 @@ from tests.chaos.checks import Report, check_consistency, describe_runs, table, 
 from tests.chaos.cluster import Cluster, Worker, chaos_server
 from tests.chaos.load import RETRY_FOR, Start, start_one
 from tests.chaos.scenarios import _ready, _until, recovery_bound
+from tests.chaos.workflows import RETRY
 from tests.pgserver import PgServer
 
 
@@ -311,7 +312,9 @@ def run_ledger(
         _until(time.time() + 1.0)
         ledger_faults(cluster, log, rng, scenario.seconds, note)
         starts = {workflow: load.stop() for workflow, load in loads.items()}
-        bound = recovery_bound(cluster.settings)
+        # A run whose book always declines spends up to (RETRY - 1) back-offs on its last
+        # attempts, which may begin only once the relay sent a message a Redis kill lost.
+        bound = recovery_bound(cluster.settings) + (RETRY - 1) * cluster.settings["backoff_max"]
         if note is not None:
             note(f"faults over, {sum(map(len, starts.values()))} starts; waiting for every run to end")
         recovery, _left = wait_quiet(cluster.connect, bound)
