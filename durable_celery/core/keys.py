@@ -335,7 +335,9 @@ def start_run(
             return decide_start_txn(rt, conn, workflow, run, policy, fold=fold)
     with db.single() as conn:
         if run["key"] is None:
-            if not (run["published"] and rt.outbox.sends_ahead and not limited(workflow)):
+            # An outbox given to Durable(outbox=...) before sends_ahead existed never sends ahead.
+            ahead = getattr(rt.outbox, "sends_ahead", False)
+            if not (run["published"] and ahead and not limited(workflow)):
                 queries.insert_run_txn(db, conn, run)
                 return _created(workflow, run)
             # The first step's message goes out while the row commits (a worker that finds no

@@ -20,6 +20,7 @@ from sqlalchemy import func, select, text
 
 from durable_celery.errors import DatabaseUnavailable
 from durable_celery.store.queries import START_LOCK
+from durable_celery.testing import RecordingOutbox
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("backend", ["postgres"])]
 
@@ -152,3 +153,20 @@ def test_a_start_that_loses_its_connection_raises_database_unavailable_and_nothi
     with pytest.raises(DatabaseUnavailable):
         durable.start(wf, {"n": 1})
     assert [r.getMessage() for r in caplog.records if r.name.startswith("psycopg")] == []
+
+
+class OutboxOfBefore(RecordingOutbox):
+    """An outbox written before ``sends_ahead`` existed."""
+
+    @property
+    def sends_ahead(self) -> bool:
+        raise AttributeError("sends_ahead")
+
+
+def test_an_outbox_without_sends_ahead_gets_its_messages_after_the_commit(make_durable):
+    outbox = OutboxOfBefore()
+    durable = make_durable(outbox=outbox)
+    wf = durable.workflow("older_outbox")
+    wf.step(lambda **_: None, name="only")
+    run_id = durable.start(wf, {"n": 1})
+    assert outbox.run_ids() == [run_id]
