@@ -102,6 +102,14 @@ def start_systems(stack: ExitStack, specs: list[Spec], env: Env, client: redis.R
     return running
 
 
+def _cpu(cpu: dict[str, float]) -> str:
+    """CPU ms a run, in all and by part."""
+    return (
+        f"CPU {cpu['all']:.2f} ms/run (workers {cpu['workers']:.2f}, producer {cpu['producer']:.2f},"
+        f" PostgreSQL {cpu['postgres']:.2f}, Redis {cpu['redis']:.2f})"
+    )
+
+
 def one_round(
     number: int, specs: list[Spec], running: dict[str, Running], ctx: phases.Context, opts: dict[str, Any]
 ) -> None:
@@ -116,12 +124,7 @@ def one_round(
         row = phases.throughput(ctx, running[spec.name], opts["runs"], opts["threads"])
         capacity[spec.name] = row["rate"]
         results["throughput"].setdefault(spec.name, []).append(row)
-        cpu = row["cpu"]
-        say(
-            f"  {head}, throughput, {spec.label}: {row['rate']:.1f} runs/s, CPU {cpu['all']:.2f} ms/run"
-            f" (workers {cpu['workers']:.2f}, producer {cpu['producer']:.2f},"
-            f" PostgreSQL {cpu['postgres']:.2f}, Redis {cpu['redis']:.2f})"
-        )
+        say(f"  {head}, throughput, {spec.label}: {row['rate']:.1f} runs/s, {_cpu(row['cpu'])}")
     for rate, steps in opts["rates"]:
         for spec in order:
             key = (spec.name, rate, steps)
@@ -139,7 +142,8 @@ def one_round(
             say(
                 f"  {head}, latency at {shown}, {spec.label}: start to 1st step"
                 f" p50 {row['first_p50']:.1f} ms, p99 {row['first_p99']:.1f} ms;{between}"
-                f" {row['achieved']:.0f} starts/s, {'kept up' if row['kept_up'] else 'BEHIND'}"
+                f" {row['achieved']:.0f} starts/s, worked {row['worked']:.0f}/s,"
+                f" {'kept up' if row['kept_up'] else 'BEHIND'}; {_cpu(row['cpu'])}"
             )
     bare = phases.bare(ctx, opts["keyed"])
     results["bare"].append(bare)

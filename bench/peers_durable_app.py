@@ -56,6 +56,9 @@ keyed = durable.workflow("peers_keyed", queue=KEYED_QUEUE)
 keyed.step(_nothing, name="only")
 
 
+signals.task_prerun.connect(peers_work.task_began, weak=False)
+
+
 @signals.worker_ready.connect
 def _ready(**_: object) -> None:
     """Tell the bench this worker is up."""

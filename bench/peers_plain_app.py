@@ -38,6 +38,9 @@ def only(batch: str, i: int, t0: float, rec: int) -> None:
     peers_work.only(batch, i, t0, rec)
 
 
+signals.task_prerun.connect(peers_work.task_began, weak=False)
+
+
 @signals.worker_ready.connect
 def _ready(**_: object) -> None:
     """Tell the bench this worker is up."""

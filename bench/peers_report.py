@@ -61,10 +61,11 @@ def latency_table(specs: list[Spec], results: Results, rate: float, steps: int) 
         if not measured:
             skipped = next((row["skipped"] for row in rounds if "skipped" in row), None)
             if skipped:
-                rows.append([spec.label, f"not run: {skipped}", "", "", "", "", "", ""])
+                rows.append([spec.label, f"not run: {skipped}", "", "", "", "", "", "", "", ""])
             continue
         kept = sum(1 for row in measured if row["kept_up"])
         sent = [row for row in measured if row["sent_p50"] is not None]
+        in_task = [row for row in measured if row.get("task_p50") is not None]
         rows.append(
             [
                 spec.label,
@@ -73,8 +74,11 @@ def latency_table(specs: list[Spec], results: Results, rate: float, steps: int) 
                 f"{_mid(measured, 'call_p50'):.1f}",
                 f"{_mid(sent, 'sent_p50'):.1f}" if sent else "-",
                 f"{_mid(measured, 'after_p50'):.1f}",
+                f"{_mid(in_task, 'task_p50'):.2f}" if in_task else "-",
+                f"{_mid(measured, 'cpu', 'all'):.2f}",
                 f"{_mid(measured, 'step_p50'):.1f} / {_mid(measured, 'step_p99'):.1f}" if steps > 1 else "-",
-                f"{_mid(measured, 'achieved'):.0f}/s; {kept} of {len(measured)}",
+                f"{_mid(measured, 'achieved'):.0f}/s; {_mid(measured, 'worked'):.0f}/s;"
+                f" {kept} of {len(measured)}",
             ]
         )
     _table(
@@ -85,8 +89,10 @@ def latency_table(specs: list[Spec], results: Results, rate: float, steps: int) 
             "start call p50",
             "message sent p50",
             "handed over to 1st step p50",
+            "of it, task began to 1st step p50",
+            "CPU ms/run",
             "step to step p50 / p99",
-            "starts; rounds kept up",
+            "started; worked; rounds kept up",
         ],
         rows,
     )

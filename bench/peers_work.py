@@ -4,9 +4,12 @@ Each step of every system calls ``step(batch, i, t0, rec, n)`` first thing. With
 latency rounds) it appends ``batch i n t0 now`` to a file of its own process under
 ``BENCH_PEERS_DIR`` (one ``write`` of a line, ``O_APPEND``), so the bench reads, per run, when
 it was started (``t0``, taken by the producer just before its start call) and when each of its
-three steps began, all from one machine's clock. The third step counts its run done with one
-``INCR`` on the bench's Redis (``BENCH_PEERS_REDIS``), whatever the system: the same small cost
-for all four, and how the bench sees that a batch finished without polling anyone's tables.
+three steps began, all from one machine's clock. Step 1's line also says when the task that ran
+it began in its worker process (Celery's ``task_prerun``, for the two Celery systems): from
+there to the step's body is what the worker does before a step (durable: its claim). The third
+step counts its run done with one ``INCR`` on the bench's Redis (``BENCH_PEERS_REDIS``),
+whatever the system: the same small cost for all four, and how the bench sees that a batch
+finished without polling anyone's tables.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from typing import Any
 
 import redis
 
-_state: dict[str, Any] = {"pid": None, "fd": None, "redis": None}
+_state: dict[str, Any] = {"pid": None, "fd": None, "redis": None, "began": None}
 
 
 def _mine() -> dict[str, Any]:
     """This process's file and Redis client (made anew after a fork)."""
     if _state["pid"] != os.getpid():
-        _state.update(pid=os.getpid(), fd=None, redis=None)
+        _state.update(pid=os.getpid(), fd=None, redis=None, began=None)
     return _state
 
 
@@ -44,11 +47,17 @@ def done(batch: str) -> None:
     state["redis"].incr(f"peers:done:{batch}")
 
 
+def task_began(**_: Any) -> None:
+    """Celery's ``task_prerun``: note when this process began a task."""
+    _mine()["began"] = time.time()
+
+
 def step(batch: str, i: int, t0: float, rec: int, n: int) -> None:
     """Step ``n`` (1 to 3) of run ``i``: note its start when recording, count the run after the third."""
     now = time.time()
     if rec:
-        record(f"{batch} {i} {n} {t0:.6f} {now:.6f}\n")
+        began = _mine()["began"] if n == 1 else None
+        record(f"{batch} {i} {n} {t0:.6f} {now:.6f}" + ("\n" if began is None else f" {began:.6f}\n"))
     if n == 3:
         done(batch)
 
